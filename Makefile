@@ -1,0 +1,56 @@
+# nanopt: `make demo` runs the whole lifecycle on the CPU; `make test` runs the test suite.
+# Everything installs into .venv. On a machine without an NVIDIA GPU torch comes as the small CPU build;
+# with one (nvidia-smi works), as the normal CUDA build from PyPI.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+NANOPT := $(VENV)/bin/nanopt
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_VERSION   ?= 2.13.*
+
+.PHONY: install demo test lint bench clean-demo help
+
+help:
+	@echo "make install   create .venv with nanopt, torch (CPU or CUDA build) and the dev tools"
+	@echo "make demo      tokenize the built-in corpus, train runs/demo on the CPU, evaluate it"
+	@echo "make test      run the test suite (CPU; GPU tests skip without CUDA)"
+	@echo "make lint      ruff"
+	@echo "make bench     the benchmark scripts in bench/"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing the CUDA build of torch"; \
+		$(PIP) install -q "torch==$(TORCH_VERSION)"; \
+	else \
+		echo "No NVIDIA GPU: installing the CPU build of torch"; \
+		$(PIP) install -q --no-index "torch==$(TORCH_VERSION)" 2>/dev/null || \
+		$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+# The demo: the built-in corpus (Python's own standard library) -> a tiny Llama trained on the CPU -> eval.
+demo: install
+	@test -f data/stdlib/meta.json || $(NANOPT) tokenize --out data/stdlib
+	$(NANOPT) train runs/demo
+	$(NANOPT) eval runs/demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check nanopt tests bench
+
+bench: install
+	$(PY) bench/bench_tokenize.py
+
+clean-demo:
+	rm -rf runs/demo/checkpoints runs/demo/metrics.jsonl runs/demo/*.png runs/demo/eval.json

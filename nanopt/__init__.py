@@ -1,0 +1,3 @@
+"""nanopt: a command-line toolkit for pretraining decoder-only language models with PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""The Typer application and what every command shares: error handling, --set, --json output.
+
+Commands live one per module beside this file; each parses its options, calls one library function and
+renders the result. Torch and other heavy libraries are imported inside the command functions only, so
+`nanopt --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from nanopt.errors import NanoptError, NotBuiltError
+
+app = typer.Typer(
+    name="nanopt",
+    help="Pretrain decoder-only language models with PyTorch: estimate, tokenize, find-batch, profile, train, "
+         "eval, export.\n\nQuick start: `make demo` (CPU, built-in corpus), or see README.md for a GPU run.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    pretty_exceptions_enable=False,
+)
+
+SET_HELP = "Override a train.json value for this invocation only, e.g. --set learning_rate=3e-4 (repeatable)."
+
+
+def console(stderr: bool = False) -> Console:
+    """Human output goes to stdout; progress bars and logs to stderr so `--json` stdout stays parseable."""
+    return Console(stderr=stderr, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def load_run_config(run_dir: Path, sets: list[str] | None):
+    from nanopt.config import load_run, parse_overrides
+
+    return load_run(run_dir, parse_overrides(sets or []))
+
+
+def not_built(command: str) -> None:
+    raise NotBuiltError(f"`nanopt {command}` is not built yet in this version", "see README.md for what works today")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; a user error prints one line with its hint and exits 2, without a traceback."""
+    try:
+        app(args=argv, prog_name="nanopt")
+    except NanoptError as exc:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc.one_line()}",
+                                                                    markup=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted")
+        sys.exit(130)

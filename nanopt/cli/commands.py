@@ -1,0 +1,8 @@
+"""Registers each command module on the app, in the order of the pretraining lifecycle (the order of --help)."""
+
+import importlib
+
+LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "train", "eval", "export")
+
+for _module in LIFECYCLE:
+    importlib.import_module(f"nanopt.cli.{_module}")

@@ -1,0 +1,120 @@
+"""`nanopt estimate`: parameters, tokens, FLOPs, time, cost and memory before a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from nanopt.cli import format as fmt
+from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+
+EPILOG = """
+Examples:
+
+  nanopt estimate runs/gpt2-small
+
+  nanopt estimate runs/llama-1b --gpu h100-sxm --num-gpus 8 --mfu 0.45 --price-per-hour 2.50
+
+  nanopt estimate runs/smollm-360m --hours 24          # how many tokens fit in a day?
+
+  nanopt estimate --params 7e9 --gpu a100-80gb --num-gpus 64
+
+  nanopt estimate runs/gpt2-small --gpu-memory 40GiB --json
+"""
+
+
+@app.command("estimate", epilog=EPILOG)
+def estimate_command(
+    run_dir: Path | None = typer.Argument(None, help="Run directory with model.json and train.json."),
+    params: float | None = typer.Option(None, "--params", help="Estimate from a parameter count instead "
+                                                                 "(e.g. 7e9); FLOPs use 6N."),
+    tokens: float | None = typer.Option(None, "--tokens", help="With --params: token budget (default: "
+                                                                 "Chinchilla-optimal)."),
+    gpu: str = typer.Option("h100-sxm", "--gpu", help="GPU from the table (see README): a100-40gb, a100-80gb, "
+                                                      "h100-sxm, h100-pcie, h200, b200, l4, a10, rtx-3090, "
+                                                      "rtx-4090."),
+    num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size)."),
+    mfu: float = typer.Option(0.40, "--mfu", help="Model FLOPs utilization to assume (0-1)."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour (default: "
+                                                                                  "the table's typical price)."),
+    peak_tflops: float | None = typer.Option(None, "--peak-tflops", help="Dense peak TFLOP/s per GPU, "
+                                                                            "overriding the table."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Usable GPU memory, e.g. 40GiB."),
+    hours: float | None = typer.Option(None, "--hours", help="Inverse question: tokens that fit in H hours."),
+    chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", help="Chinchilla tokens per parameter."),
+    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU."""
+    from nanopt.estimate import EstimateOptions, estimate
+    from nanopt.hardware import parse_size
+
+    run = load_run_config(run_dir, sets) if run_dir is not None else None
+    opts = EstimateOptions(
+        gpu=gpu, num_gpus=num_gpus, mfu=mfu, price_per_hour=price_per_hour, peak_tflops=peak_tflops,
+        gpu_memory=parse_size(gpu_memory) if gpu_memory else None, hours=hours, tokens_per_param=chinchilla_ratio,
+        params=int(params) if params else None, tokens=int(tokens) if tokens else None)
+    report = estimate(run, opts)
+    if as_json:
+        print_json(report)
+    else:
+        render(report)
+
+
+def render(r: dict[str, Any]) -> None:
+    out = console()
+    g = r["gpu"]
+    title = f"nanopt estimate: {r['run'] or 'params only'} on {g['num_gpus']} x {g['name']}"
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    rows = [
+        ("parameters", f"{fmt.exact(r['params'])} ({fmt.count(r['params'])})"),
+        ("non-embedding parameters", fmt.exact(r["non_embedding_params"])),
+        ("FLOPs / token (attention incl.)", f"{fmt.sci(r['flops_per_token'])}   [{r['flops_formula']}]"),
+        ("FLOPs / token (6N)", fmt.sci(r["flops_per_token_6n"])),
+        ("Chinchilla-optimal tokens", f"{fmt.count(r['chinchilla_tokens'])} "
+                                      f"({r['chinchilla_tokens_per_param']:g} per parameter)"),
+        ("train tokens", f"{fmt.count(r['train_tokens'])} = {r['train_tokens_vs_chinchilla']:.2f} x Chinchilla"),
+        ("optimizer steps", fmt.exact(r["optimizer_steps"])),
+        ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
+        ("total training FLOPs", fmt.sci(r["total_flops"])),
+        ("peak per GPU", f"{g['peak_tflops']:.1f} TFLOP/s ({g['peak_source']}), assumed MFU {fmt.percent(g['mfu'])}"),
+        ("throughput", f"{fmt.count(r['tokens_per_second'])} tokens/s"),
+        ("wall-clock time", fmt.duration(r["train_seconds"])),
+        ("cost", f"{fmt.money(r['cost_usd'])} at ${g['usd_per_hour']:.2f} / GPU-hour"),
+    ]
+    if r["hours"]:
+        h = r["hours"]
+        rows.append((f"in {h['hours']:g} hours", f"{fmt.count(h['tokens'])} tokens = "
+                                                 f"{h['fraction_of_chinchilla']:.2f} x Chinchilla, "
+                                                 f"{fmt.money(h['cost_usd'])}"))
+    for label, value in rows:
+        table.add_row(label, value)
+    out.print(table)
+    out.print(_memory_table(r))
+
+
+def _memory_table(r: dict[str, Any]) -> Table:
+    m = r["memory_bytes"]
+    a = r["memory_assumptions"]
+    title = "memory per GPU" + (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation "
+                                f"checkpointing {'on' if a['activation_checkpointing'] else 'off'}, "
+                                f"{a['parallelism']} x {a['world_size']})" if a else "")
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("", justify="right")
+    table.add_row("weights (fp32 master)", fmt.size(m["weights"]))
+    table.add_row("gradients (fp32)", fmt.size(m["gradients"]))
+    table.add_row("optimizer (AdamW moments)", fmt.size(m["optimizer"]))
+    table.add_row("activations per sequence", fmt.size(m["activations_per_sequence"]))
+    table.add_row("runtime overhead (CUDA context, workspaces)", fmt.size(m["runtime_overhead"]))
+    if a:
+        table.add_row(f"total at micro-batch {a['micro_batch_size']}", fmt.size(m["total"]))
+    table.add_row("GPU memory", fmt.size(r["gpu_memory_bytes"]))
+    table.add_row("predicted largest micro-batch", str(r["max_micro_batch"] if r["max_micro_batch"] is not None
+                                                        else "-"))
+    return table

@@ -1,0 +1,383 @@
+"""Typed configs for runs/NAME/model.json and train.json: load, validate, derive, save.
+
+Key names follow Hugging Face `transformers` config names where one exists. Every mistake a person can type
+(unknown key, wrong type, impossible shape) is a ConfigError naming the file and the key, with a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from nanopt.errors import ConfigError
+
+Architecture = Literal["llama", "gpt2"]
+Schedule = Literal["cosine", "wsd", "constant"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+Parallelism = Literal["ddp", "fsdp"]
+CompileMode = bool | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer. `llama`: RoPE, RMSNorm, SwiGLU, GQA. `gpt2`: learned
+    positions, LayerNorm, GELU MLP, biases."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    intermediate_size: int | None = None  # default: 4 x hidden (gpt2); the Llama 8/3 rule rounded to 256
+    num_key_value_heads: int | None = None  # default: num_attention_heads (no GQA)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    attention_bias: bool | None = None  # default: True for gpt2, False for llama
+    mlp_bias: bool | None = None  # default: True for gpt2, False for llama
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        is_gpt2 = self.architecture == "gpt2"
+        if self.intermediate_size is None:
+            default = 4 * self.hidden_size if is_gpt2 else _llama_intermediate(self.hidden_size)
+            object.__setattr__(self, "intermediate_size", default)
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in ("attention_bias", "mlp_bias"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, is_gpt2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate(self, source: str = "model.json") -> None:
+        _check_positive(self, source, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                       "max_position_embeddings", "intermediate_size", "num_key_value_heads"))
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"{source}: key 'num_attention_heads': {self.num_attention_heads} does not divide "
+                f"hidden_size {self.hidden_size}",
+                f"use a head count from {_divisors(self.hidden_size, 8, 128)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{source}: key 'num_key_value_heads': {self.num_key_value_heads} does not divide "
+                f"num_attention_heads {self.num_attention_heads}",
+                f"use one of {_divisors(self.num_attention_heads, 1, self.num_attention_heads)}")
+        if self.architecture == "llama" and self.head_dim % 2:
+            raise ConfigError(f"{source}: key 'hidden_size': head size {self.head_dim} is odd, RoPE needs it even",
+                              "choose hidden_size / num_attention_heads even")
+        if self.architecture == "gpt2" and self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"{source}: key 'num_key_value_heads': gpt2 has no grouped-query attention",
+                              "remove the key or use architecture \"llama\"")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{source}: key 'dropout': {self.dropout} is outside [0, 1)", "use e.g. 0.0 or 0.1")
+        for name in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "initializer_range"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{source}: key '{name}': must be positive, got {getattr(self, name)}",
+                                  "see runs/*/model.json for typical values")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _llama_intermediate(hidden: int) -> int:
+    return 256 * math.ceil(int(8 * hidden / 3) / 256)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Data, batch, optimizer, schedule, eval, checkpoint and runtime settings of a run."""
+
+    data: str  # dataset directory made by `nanopt tokenize`; relative paths are from the current directory
+    micro_batch_size: int
+    global_batch_tokens: int  # tokens per optimizer step across all ranks
+    train_tokens: int | None = None  # token budget; or give max_steps
+    max_steps: int | None = None
+    seq_len: int | None = None  # default: the model's max_position_embeddings
+    learning_rate: float = 6e-4
+    min_lr_ratio: float = 0.1  # final LR as a fraction of the peak (cosine and WSD)
+    lr_schedule: Schedule = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # WSD: the last fraction of steps decays to the minimum
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 250  # steps; 0 disables in-loop eval
+    eval_tokens: int = 1_048_576
+    checkpoint_interval: int = 500  # steps; the last step always checkpoints
+    keep_checkpoints: int = 3
+    log_interval: int = 10
+    seed: int = 1337
+    precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
+    compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
+    activation_checkpointing: bool = False
+    parallelism: Parallelism = "ddp"
+    max_nonfinite_steps: int = 5  # consecutive skipped non-finite steps before training stops
+    spike_threshold: float = 6.0  # loss-spike report: this many standard deviations above the rolling mean
+
+    def validate(self, model: ModelConfig, source: str = "train.json") -> None:
+        _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "keep_checkpoints",
+                                       "log_interval", "max_nonfinite_steps"))
+        _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
+                                           "weight_decay", "seed"))
+        if (self.train_tokens is None) == (self.max_steps is None):
+            raise ConfigError(f"{source}: give exactly one of 'train_tokens' and 'max_steps'",
+                              "e.g. \"train_tokens\": 2480000000 (the Chinchilla budget: `nanopt estimate`)")
+        for key in ("train_tokens", "max_steps"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{source}: key '{key}': must be positive, got {value}", "use a positive number")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ConfigError(f"{source}: key 'seq_len': must be positive, got {self.seq_len}", "e.g. 1024")
+        if self.resolved_seq_len(model) > model.max_position_embeddings:
+            raise ConfigError(
+                f"{source}: key 'seq_len': {self.seq_len} exceeds the model's max_position_embeddings "
+                f"{model.max_position_embeddings}", "lower seq_len or raise max_position_embeddings in model.json")
+        if self.learning_rate <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{source}: key 'learning_rate' / 'min_lr_ratio': need learning_rate > 0 and "
+                              f"0 <= min_lr_ratio <= 1", "e.g. 6e-4 and 0.1")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"{source}: key 'decay_fraction': {self.decay_fraction} is outside (0, 1]", "e.g. 0.2")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{source}: key '{key}': {getattr(self, key)} is outside [0, 1)", "e.g. 0.9, 0.95")
+        tokens_per_micro = self.micro_batch_size * self.resolved_seq_len(model)
+        if self.global_batch_tokens < tokens_per_micro:
+            raise ConfigError(
+                f"{source}: key 'global_batch_tokens': {self.global_batch_tokens} is smaller than one micro-batch "
+                f"({self.micro_batch_size} x {self.resolved_seq_len(model)} = {tokens_per_micro} tokens)",
+                f"raise it to a multiple of {tokens_per_micro} or lower micro_batch_size")
+
+    def resolved_seq_len(self, model: ModelConfig) -> int:
+        return self.seq_len if self.seq_len is not None else model.max_position_embeddings
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Both files of a run directory, validated together, with the values derived from them."""
+
+    run_dir: Path
+    model: ModelConfig
+    train: TrainConfig
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.resolved_seq_len(self.model)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.train.micro_batch_size * self.seq_len
+
+    def grad_accum_steps(self, world_size: int = 1) -> int:
+        """Micro-steps per optimizer step: global batch / (micro batch x seq_len x world size), exactly."""
+        per_step = self.tokens_per_micro_batch * world_size
+        accum, remainder = divmod(self.train.global_batch_tokens, per_step)
+        if remainder or accum == 0:
+            raise ConfigError(
+                f"train.json: key 'global_batch_tokens': {self.train.global_batch_tokens} is not a multiple of "
+                f"micro_batch_size x seq_len x world_size = {self.train.micro_batch_size} x {self.seq_len} x "
+                f"{world_size} = {per_step}",
+                _batch_suggestions(self.train.global_batch_tokens, self.seq_len, world_size,
+                                   self.train.micro_batch_size))
+        return accum
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.max_steps is not None:
+            return self.train.max_steps
+        return math.ceil(self.train.train_tokens / self.train.global_batch_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.total_steps * self.train.global_batch_tokens
+
+    def snapshot(self) -> dict[str, Any]:
+        """The full config, as stored in checkpoints to detect a changed run on resume."""
+        return {"model": self.model.to_dict(), "train": self.train.to_dict()}
+
+
+def _batch_suggestions(global_tokens: int, seq_len: int, world: int, micro: int) -> str:
+    unit = seq_len * world
+    micros = [m for m in range(1, 4 * micro + 1) if global_tokens % (m * unit) == 0][-4:]
+    lower = (global_tokens // (micro * unit)) * micro * unit
+    upper = lower + micro * unit
+    options = [f"global_batch_tokens {t}" for t in (lower, upper) if t > 0]
+    if micros:
+        options.append("micro_batch_size " + " or ".join(str(m) for m in micros))
+    return "values that work: " + ", or ".join(options)
+
+
+def _divisors(n: int, low: int, high: int) -> list[int]:
+    return [d for d in range(low, high + 1) if n % d == 0][:8]
+
+
+def _check_positive(cfg: Any, source: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{source}: key '{name}': must be positive, got {value}", "use a number > 0")
+
+
+def _check_non_negative(cfg: Any, source: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 0:
+            raise ConfigError(f"{source}: key '{name}': must not be negative, got {value}", "use 0 or more")
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def from_dict(cls: type, data: Any, source: str) -> Any:
+    """Build a config dataclass from parsed JSON, checking keys and types strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}",
+                          "the file should look like {\"key\": value, ...}")
+    known = {f.name: f for f in fields(cls)}
+    data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_note"-style keys are comments
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{source}: unknown key '{key}'", hint)
+    hints = typing.get_type_hints(cls)
+    missing = [f.name for f in fields(cls) if f.name not in data and _is_required(f)]
+    if missing:
+        raise ConfigError(f"{source}: missing required key '{missing[0]}'",
+                          f"add it; required keys: {', '.join(missing)}")
+    values = {key: _coerce(value, hints[key], f"{source}: key '{key}'") for key, value in data.items()}
+    return cls(**values)
+
+
+def _is_required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Return value if it matches annotation (ints may stand for floats; integral floats like 2.5e9 for ints)."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in get_args(annotation):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(f"{where}: {value!r} is not {_describe(annotation)}", errors[-1].hint)
+    if origin is Literal:
+        if value in get_args(annotation) and type(value) in {type(a) for a in get_args(annotation)}:
+            return value
+        raise ConfigError(f"{where}: {value!r} is not one of {_describe(annotation)}",
+                          f"use one of {_describe(annotation)}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null", "")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}", "JSON booleans are true / false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}", "write a whole number such as 1024")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}", "write a number such as 6e-4")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}", "put the value in double quotes")
+    raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
+
+
+def _describe(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " / ".join(json.dumps(a) for a in get_args(annotation))
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(annotation))
+    return {int: "an integer", float: "a number", bool: "true / false", str: "a string",
+            type(None): "null"}.get(annotation, str(annotation))
+
+
+def read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found", "copy one from runs/demo or a preset in runs/")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                          "check for a trailing comma or a missing quote") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text", "save the file as UTF-8 JSON") from None
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs: VALUE is read as JSON (numbers, true, null, "str"), else taken as a string."""
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE", "e.g. --set learning_rate=3e-4")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    cfg = from_dict(ModelConfig, read_json(path), str(path))
+    cfg.validate(str(path))
+    return cfg
+
+
+def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load and validate runs/NAME/model.json and train.json, applying `--set` overrides to train.json."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: run directory not found",
+                          "create one with model.json and train.json, or copy runs/demo")
+    model = load_model_config(run_dir / "model.json")
+    train_path = run_dir / "train.json"
+    raw = read_json(train_path)
+    source = str(train_path)
+    if overrides:
+        if isinstance(raw, dict):
+            raw = {**raw, **overrides}
+        source = f"{train_path} (with --set {', '.join(overrides)})"
+    train = from_dict(TrainConfig, raw, source)
+    train.validate(model, source)
+    return RunConfig(run_dir=run_dir, model=model, train=train)
+
+
+def save_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically: a temporary file renamed into place, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def model_config_from_snapshot(data: dict[str, Any]) -> ModelConfig:
+    return from_dict(ModelConfig, data, "checkpoint meta.json model config")
+
