@@ -1,0 +1,323 @@
+"""The pure model: a decoder-only transformer built from a ModelConfig. Config in, logits or loss out.
+
+Nothing here knows about optimizers, devices, precision policy or distribution: the caller moves the model,
+wraps it (compile, DDP, FSDP2 per element of `layers`, activation checkpointing) and runs it under autocast.
+
+Two architectures share one module tree:
+
+- "llama": RoPE (rotate-half convention, as Hugging Face Llama), RMSNorm, SwiGLU MLP, grouped-query attention.
+- "gpt2": learned position embeddings, LayerNorm with bias, GELU (tanh approximation) MLP.
+
+State-dict keys (`{i}` is the layer index; `.bias` keys exist only where the config asks for biases):
+
+    embed_tokens.weight                       [vocab, hidden]
+    embed_positions.weight                    [max_position_embeddings, hidden]      gpt2 only
+    layers.{i}.attn_norm.weight  (.bias)      [hidden]                                bias: gpt2 LayerNorm
+    layers.{i}.attn.q_proj.weight (.bias)     [heads * head_dim, hidden]
+    layers.{i}.attn.k_proj.weight (.bias)     [kv_heads * head_dim, hidden]
+    layers.{i}.attn.v_proj.weight (.bias)     [kv_heads * head_dim, hidden]
+    layers.{i}.attn.o_proj.weight (.bias)     [hidden, heads * head_dim]
+    layers.{i}.mlp_norm.weight   (.bias)      [hidden]
+    layers.{i}.mlp.gate_proj.weight (.bias)   [intermediate, hidden]                  llama only
+    layers.{i}.mlp.up_proj.weight   (.bias)   [intermediate, hidden]
+    layers.{i}.mlp.down_proj.weight (.bias)   [hidden, intermediate]
+    norm.weight                  (.bias)      [hidden]
+    lm_head.weight                            [vocab, hidden]   the same Parameter as embed_tokens.weight when tied
+
+Attention biases (q/k/v/o) follow `attention_bias`, MLP biases follow `mlp_bias`. When embeddings are tied,
+`state_dict()` lists both `embed_tokens.weight` and `lm_head.weight` (one shared tensor); `parameters()` yields it
+once.
+
+Building on the "meta" device (`with torch.device("meta"): Transformer(cfg)`) allocates nothing; after
+`to_empty(device=...)` call `init_weights()` to fill the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from nanopt.config import ModelConfig
+from nanopt.errors import ConfigError
+
+IGNORE_INDEX = -100
+
+# The loss never holds the whole [B*T, vocab] logits in fp32: it works through row chunks whose fp32 logits take
+# at most this many bytes, and recomputes each chunk's logits in backward instead of keeping them.
+LOSS_CHUNK_BYTES = 1 << 30
+MAX_LOSS_CHUNK_ROWS = 8192
+MIN_LOSS_CHUNK_ROWS = 256
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, preallocated for `max_len` positions, one pair per layer.
+
+    `length` is a Python int (no device sync to read it). The model writes layer i's new keys and values through
+    `update` and calls `advance` once per forward, after every layer has written.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 device: torch.device | str | None, dtype: torch.dtype) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer_idx: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Store [B, H_kv, T_new, D] keys and values after the cached ones; return all of them so far."""
+        end = self.length + k_new.shape[2]
+        self.keys[layer_idx][:, :, self.length:end] = k_new
+        self.values[layer_idx][:, :, self.length:end] = v_new
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 and cast back, as Hugging Face Llama does (so exports match)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.architecture == "llama":
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+
+def rope_cos_sin(cfg: ModelConfig, start: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """fp32 cos / sin tables [length, head_dim] for positions start .. start+length-1.
+
+    Computed per forward rather than kept as a buffer: it is tiny, and a buffer would be lost by meta-device
+    construction followed by `to_empty`.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    positions = torch.arange(start, start + length, device=device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]  # elementwise, so autocast cannot lower it to bf16
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate [B, H, T, D] queries or keys; the math runs in fp32 and the result keeps x's dtype."""
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv_cache: KVCache | None = None) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        offset = 0
+        if kv_cache is not None:
+            offset = kv_cache.length
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = self._attend(q, k, v, offset)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
+        """Causal attention of the T_new queries (positions offset..) over all offset + T_new keys.
+
+        SDPA's is_causal mask is aligned to the top-left corner, which is right only when queries and keys start
+        together (offset 0). A single new query may see every key, so it needs no mask. Several new queries at a
+        nonzero offset (only in cached generation) get an explicit bottom-right-aligned mask.
+        """
+        dropout_p = self.dropout if self.training else 0.0
+        # enable_gqa lets SDPA share each K/V head across its group of query heads without copying them.
+        gqa = self.num_kv_heads != self.num_heads
+        seq_new = q.shape[2]
+        if offset == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        if seq_new == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+        query_pos = torch.arange(offset, offset + seq_new, device=q.device)
+        key_pos = torch.arange(offset + seq_new, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # The tanh approximation is GPT-2's original activation ("gelu_new" in Hugging Face).
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP2 shards and checkpoints."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.architecture == "llama" else GeluMLP(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.architecture not in ("llama", "gpt2"):
+            raise ConfigError(f"model.json: key 'architecture': unknown architecture {cfg.architecture!r}",
+                              'use "llama" or "gpt2"')
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.architecture == "gpt2":
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_chunk_rows = _loss_chunk_rows(cfg.vocab_size)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, initializer_range) weights, zero biases, unit norms; residual output projections are scaled down
+        by 1/sqrt(2 * layers) so the residual stream's variance does not grow with depth."""
+        self.tie_weights()
+        std = self.cfg.initializer_range
+        residual_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("attn.o_proj", "mlp.down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        # A tied head shares the embedding Parameter; the loop above already drew it (twice, harmlessly).
+
+    def tie_weights(self) -> None:
+        """Make lm_head use the embedding Parameter when the config ties them. `to_empty` after a meta-device
+        build gives each its own tensor, so init_weights re-ties first."""
+        if self.cfg.tie_word_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for up to max_len positions. Defaults: the device and dtype of the model's weights."""
+        weight = self.embed_tokens.weight
+        cfg = self.cfg
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len,
+                       device if device is not None else weight.device, dtype if dtype is not None else weight.dtype)
+
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
+                kv_cache: KVCache | None = None) -> Tensor:
+        """Logits [B, T, vocab] when targets is None, else the mean cross-entropy (fp32 scalar) over targets
+        that are not -100. With kv_cache, input_ids continue the cached sequence and are appended to it."""
+        batch, seq = input_ids.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        self._check_lengths(batch, seq, start, kv_cache)
+        x = self.embed_tokens(input_ids)
+        rope = None
+        if self.cfg.architecture == "gpt2":
+            positions = torch.arange(start, start + seq, device=input_ids.device)
+            x = x + self.embed_positions(positions)
+        else:
+            rope = rope_cos_sin(self.cfg, start, seq, input_ids.device)
+        for layer in self.layers:
+            x = layer(x, rope, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(seq)
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x)
+        return chunked_cross_entropy(x.reshape(batch * seq, -1), self.lm_head.weight, targets.reshape(-1),
+                                     self.loss_chunk_rows)
+
+    def _check_lengths(self, batch: int, seq: int, start: int, kv_cache: KVCache | None) -> None:
+        # Shapes and the cache length are Python ints: these checks cost no device sync.
+        if start + seq > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {start + seq} tokens exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        if kv_cache is not None and (start + seq > kv_cache.max_len or batch != kv_cache.batch_size):
+            raise ValueError(f"KV cache for batch {kv_cache.batch_size} x {kv_cache.max_len} positions cannot take "
+                             f"batch {batch} x {start + seq} positions")
+
+
+def _loss_chunk_rows(vocab_size: int) -> int:
+    rows = LOSS_CHUNK_BYTES // (4 * vocab_size)
+    return max(MIN_LOSS_CHUNK_ROWS, min(MAX_LOSS_CHUNK_ROWS, rows))
+
+
+def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    logits = F.linear(hidden, weight)  # in the autocast dtype when autocast is on
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _checkpointed_chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    return checkpoint(_chunk_loss_sum, hidden, weight, targets, use_reentrant=False)
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int) -> Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against targets, equal to F.cross_entropy on the full logits.
+
+    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Each chunk of rows is checkpointed: its logits
+    exist only while that chunk's loss is computed, in forward and again in backward, so peak memory is one chunk
+    of fp32 logits instead of N x V. The loop bounds are shapes, so torch.compile sees static control flow.
+    """
+    # Without autograd (evaluation) there is no backward to save memory for, so skip the checkpoint wrapper.
+    run_chunk = _checkpointed_chunk_loss_sum if torch.is_grad_enabled() else _chunk_loss_sum
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for begin in range(0, hidden.shape[0], chunk_rows):
+        end = begin + chunk_rows
+        total = total + run_chunk(hidden[begin:end], weight, targets[begin:end])
+    # All targets ignored gives 0 / 0 = nan, exactly as F.cross_entropy's mean does.
+    return total / (targets != IGNORE_INDEX).sum()

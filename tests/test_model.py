@@ -1,0 +1,231 @@
+"""The model: shapes, state-dict names, init, parameter counts, the chunked loss, the KV cache, compile-ability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanopt.config import ModelConfig
+from nanopt.flops import count_params
+from nanopt.model import Transformer, chunked_cross_entropy
+
+
+def tiny(architecture: str, **overrides) -> ModelConfig:
+    base = dict(architecture=architecture, vocab_size=211, hidden_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64)
+    if architecture == "llama":
+        base.update(num_key_value_heads=2, intermediate_size=96)
+    base.update(overrides)
+    cfg = ModelConfig(**base)
+    cfg.validate()
+    return cfg
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(cfg)
+
+
+TINY_CONFIGS = {
+    "llama-gqa-tied": tiny("llama"),
+    "llama-mha-untied-bias": tiny("llama", num_key_value_heads=4, tie_word_embeddings=False, attention_bias=True,
+                                  mlp_bias=True),
+    "gpt2-tied": tiny("gpt2"),
+    "gpt2-untied": tiny("gpt2", tie_word_embeddings=False),
+}
+
+
+# ------------------------------------------------------------------------------------------------ structure
+
+
+def test_state_dict_keys_llama():
+    model = build(tiny("llama", num_hidden_layers=1, tie_word_embeddings=False))
+    assert set(model.state_dict()) == {
+        "embed_tokens.weight", "layers.0.attn_norm.weight", "layers.0.attn.q_proj.weight",
+        "layers.0.attn.k_proj.weight", "layers.0.attn.v_proj.weight", "layers.0.attn.o_proj.weight",
+        "layers.0.mlp_norm.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+        "layers.0.mlp.down_proj.weight", "norm.weight", "lm_head.weight"}
+    assert model.state_dict()["layers.0.attn.k_proj.weight"].shape == (2 * 16, 64)  # 2 kv heads of 16
+
+
+def test_state_dict_keys_gpt2():
+    model = build(tiny("gpt2", num_hidden_layers=1))
+    names = {"attn_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp_norm", "mlp.up_proj",
+             "mlp.down_proj"}
+    expected = {f"layers.0.{n}.{p}" for n in names for p in ("weight", "bias")}
+    expected |= {"embed_tokens.weight", "embed_positions.weight", "norm.weight", "norm.bias", "lm_head.weight"}
+    assert set(model.state_dict()) == expected
+
+
+def test_tied_head_is_the_embedding_parameter():
+    tied = build(tiny("llama"))
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    untied = build(tiny("llama", tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.embed_tokens.weight
+
+
+def test_init_is_deterministic_and_follows_the_convention():
+    cfg = tiny("gpt2", hidden_size=256, intermediate_size=1024, initializer_range=0.05)
+    first, second = build(cfg, seed=3), build(cfg, seed=3)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    state = first.state_dict()
+    assert torch.all(state["layers.0.attn.q_proj.bias"] == 0)
+    assert torch.all(state["layers.1.mlp_norm.weight"] == 1) and torch.all(state["norm.bias"] == 0)
+    assert state["layers.0.mlp.up_proj.weight"].std().item() == pytest.approx(0.05, rel=0.05)
+    residual_std = 0.05 / (2 * cfg.num_hidden_layers) ** 0.5
+    assert state["layers.0.mlp.down_proj.weight"].std().item() == pytest.approx(residual_std, rel=0.05)
+    assert state["layers.1.attn.o_proj.weight"].std().item() == pytest.approx(residual_std, rel=0.05)
+
+
+def test_meta_build_then_materialize_keeps_tying_and_inits():
+    cfg = tiny("llama")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.all(model.norm.weight == 1)
+    assert torch.isfinite(model(torch.randint(0, cfg.vocab_size, (1, 8)))).all()
+
+
+# ------------------------------------------------------------------------------------------ parameter counts
+
+GPT2_SMALL = ModelConfig(architecture="gpt2", vocab_size=50257, hidden_size=768, num_hidden_layers=12,
+                         num_attention_heads=12, max_position_embeddings=1024)
+LLAMA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def meta_param_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("cfg", "expected"), [(GPT2_SMALL, 124_439_808), (LLAMA_1B, 1_235_814_400)],
+                         ids=["gpt2-small", "llama-1b"])
+def test_parameter_count_of_known_shapes(cfg, expected):
+    assert meta_param_count(cfg) == expected
+
+
+@pytest.mark.parametrize("cfg", [GPT2_SMALL, LLAMA_1B, *TINY_CONFIGS.values()],
+                         ids=["gpt2-small", "llama-1b", *TINY_CONFIGS])
+def test_parameter_count_matches_closed_form(cfg):
+    assert meta_param_count(cfg) == count_params(cfg).total
+
+
+# ----------------------------------------------------------------------------------------------------- loss
+
+
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_chunked_loss_equals_full_cross_entropy(name):
+    cfg = TINY_CONFIGS[name]
+    model = build(cfg)
+    model.loss_chunk_rows = 7  # 3 x 20 = 60 rows: eight full chunks and a ragged one
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (3, 20))
+    targets = torch.randint(0, cfg.vocab_size, (3, 20))
+    targets[0, :9] = -100
+
+    loss = model(ids, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    reference = F.cross_entropy(model(ids).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    reference.backward()
+
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert (loss - reference).abs().item() < 1e-6
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-6), n
+
+
+def test_chunked_loss_all_ignored_is_nan_like_cross_entropy():
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    targets = torch.full((4,), -100)
+    assert torch.isnan(chunked_cross_entropy(hidden, weight, targets, chunk_rows=3))
+    assert torch.isnan(F.cross_entropy(hidden @ weight.T, targets))
+
+
+def test_loss_under_bf16_autocast_is_fp32_and_close():
+    cfg = tiny("llama")
+    model = build(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    fp32_loss = model(ids, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_loss = model(ids, targets)
+        assert model(ids).dtype == torch.bfloat16
+    bf16_loss.backward()
+    assert bf16_loss.dtype == torch.float32
+    assert abs(bf16_loss.item() - fp32_loss.item()) < 2e-2
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_forward_has_no_graph_breaks_under_compile():
+    # fullgraph=True fails on any host sync (.item()) or data-dependent Python branch. aot_eager traces forward and
+    # backward like inductor does, without the minute of C++ compilation.
+    cfg = tiny("llama")
+    model = build(cfg)
+    model.loss_chunk_rows = 8
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    expected = model(ids, targets)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(ids, targets)
+    loss.backward()
+    assert torch.allclose(loss, expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- attention, cache, dropout
+
+
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_causal_future_tokens_do_not_change_past_logits(name):
+    cfg = TINY_CONFIGS[name]
+    model = build(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    changed = ids.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % cfg.vocab_size
+    before, after = model(ids), model(changed)
+    assert torch.allclose(before[:, :8], after[:, :8], atol=1e-6)
+    assert not torch.allclose(before[:, 8:], after[:, 8:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_kv_cache_logits_match_full_forward(name):
+    cfg = TINY_CONFIGS[name]
+    model = build(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 15))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(batch_size=2, max_len=20, device="cpu", dtype=torch.float32)
+        # prefill, then one token at a time, then several tokens at a nonzero offset (the explicit-mask path)
+        pieces = [model(ids[:, :6], kv_cache=cache)]
+        pieces += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(6, 10)]
+        pieces.append(model(ids[:, 10:], kv_cache=cache))
+    assert cache.length == 15
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
+
+
+def test_too_long_input_is_refused():
+    cfg = tiny("gpt2", max_position_embeddings=16)
+    model = build(cfg)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    cache = model.new_kv_cache(1, 8, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="KV cache"):
+        model(torch.zeros(1, 9, dtype=torch.long), kv_cache=cache)
+
+
+def test_dropout_only_in_training():
+    cfg = tiny("llama", dropout=0.3)
+    model = build(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    model.train()
+    assert not torch.allclose(model(ids), model(ids))
+    model.eval()
+    assert torch.equal(model(ids), model(ids))
