@@ -8,12 +8,14 @@ renders the result. Torch and other heavy libraries are imported inside the comm
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nanopt.errors import NanoptError, NotBuiltError
 
@@ -55,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="nanopt")
     except NanoptError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc.one_line()}",
-                                                                    markup=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises; one line is enough
+            Console(stderr=True, highlight=False, soft_wrap=True).print(
+                f"[bold red]error:[/] {escape(exc.one_line())}", markup=True)
         sys.exit(2)
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")

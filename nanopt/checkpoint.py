@@ -1,0 +1,255 @@
+"""Checkpoints: complete-or-not-at-all, verified by checksum, resumable on any world size.
+
+    checkpoints/step-000600/
+      model.safetensors       the unwrapped model's weights (tied weights once)
+      optimizer.safetensors   AdamW moments and step counts, flattened as "<param fqn>/<state name>"
+      meta.json               step, tokens, every rank's loader and RNG state, config snapshot, metrics,
+                              optimizer param groups, sha256 of both files; written last
+    checkpoints/latest        a one-line file naming the newest complete checkpoint, replaced atomically
+    checkpoints/best          the same for the lowest validation loss
+
+A checkpoint is assembled in `.tmp-step-N/` and renamed into place, so a killed process leaves either the
+old set of checkpoints or the new one. Weights and optimizer state are full (unsharded) tensors gathered
+with torch.distributed.checkpoint's state-dict API, so DDP, FSDP and single-process runs read each other's
+checkpoints. No pickle: tensors in safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from nanopt.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
+                     optimizer_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write one checkpoint atomically (rank 0 only). Raises CheckpointError if the disk refuses."""
+    root = checkpoints_dir(run_dir)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(_contiguous(model_state), str(tmp / "model.safetensors"))
+        tensors, groups = flatten_optimizer_state(optimizer_state)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        files = {name: sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
+        full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
+                     "files": files}
+        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1), encoding="utf-8")
+        _fsync_dir_files(tmp)
+        if final.exists():  # a re-run of the same step (e.g. after a crash between rename and pointer)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync(root)
+        write_pointer(root, "latest", final.name)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        hint = "free disk space or fix permissions; earlier checkpoints and 'latest' are intact"
+        raise CheckpointError(f"could not write checkpoint {final}: {getattr(exc, 'strerror', None) or exc}", hint) from None
+    return final
+
+
+def _contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir_files(directory: Path) -> None:
+    for child in directory.iterdir():
+        _fsync(child)
+    _fsync(directory)
+
+
+def write_pointer(root: Path, name: str, target: str) -> None:
+    tmp = root / f".{name}.tmp"
+    tmp.write_text(target + "\n", encoding="utf-8")
+    os.replace(tmp, root / name)
+
+
+def read_pointer(root: Path, name: str) -> str | None:
+    path = root / name
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """{"state": {fqn: {name: tensor}}, "param_groups": [...]} -> flat tensors + JSON-able groups."""
+    tensors: dict[str, torch.Tensor] = {}
+    for fqn, entries in state["state"].items():
+        for name, value in entries.items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{fqn}/{name}"] = value.detach().contiguous().cpu()
+    return tensors, state["param_groups"]
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        fqn, _, name = key.rpartition("/")
+        state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": groups}
+
+
+# -------------------------------------------------------------------------------------------- retention
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Step directories with a meta.json, oldest first (unverified; see `verify`)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def apply_retention(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; never the newest, never the one `best` names."""
+    root = checkpoints_dir(run_dir)
+    protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
+    complete = complete_checkpoints(run_dir)
+    doomed = [p for p in complete[:-max(1, keep)] if p.name not in protected]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Half-written `.tmp-*` directories left by a killed process are never read; delete them."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        for path in root.glob(".tmp-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def verify(path: Path) -> Checkpoint:
+    """Open a checkpoint and check every file against the checksum in meta.json."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
+                              "use another checkpoint, or --resume none to start over")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{meta_path}: corrupt JSON", "use another checkpoint") from None
+    for name, expected in meta.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing", "use another checkpoint")
+        if sha256(file) != expected:
+            raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)", "use another checkpoint")
+    return Checkpoint(path=path, meta=meta)
+
+
+def newest_valid(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint that passes verification, and a note for each newer one that did not."""
+    skipped: list[str] = []
+    for path in reversed(complete_checkpoints(run_dir)):
+        try:
+            return verify(path), skipped
+        except CheckpointError as exc:
+            skipped.append(exc.message)
+    return None, skipped
+
+
+def resolve(run_dir: Path, which: str) -> Checkpoint:
+    """`latest` (newest valid), `best`, or a path to a step directory; verified."""
+    root = checkpoints_dir(run_dir)
+    if which in ("latest", "auto"):
+        found, _ = newest_valid(run_dir)
+        if found is None:
+            raise CheckpointError(f"{run_dir}: no complete checkpoint", f"train first: `nanopt train {run_dir}`")
+        return found
+    if which == "best":
+        name = read_pointer(root, "best")
+        if name is None:
+            raise CheckpointError(f"{run_dir}: no 'best' checkpoint yet (it needs an in-loop eval)",
+                                  "use --checkpoint latest")
+        return verify(root / name)
+    path = Path(which)
+    if not path.is_dir():
+        path = root / which
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{which}' does not exist", f"choose latest, best or one of "
+                              f"{[p.name for p in complete_checkpoints(run_dir)][-3:]}")
+    return verify(path)
+
+
+def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Weights from safetensors, with tied aliases restored as the model's state_dict expects them."""
+    state = load_file(str(ckpt.path / "model.safetensors"))
+    for alias, source in ckpt.meta.get("tied", {}).items():
+        state[alias] = state[source]
+    return state
+
+
+def load_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
+    tensors = load_file(str(ckpt.path / "optimizer.safetensors"))
+    return unflatten_optimizer_state(tensors, ckpt.meta["optimizer_param_groups"])
+
+
+def dedupe_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop keys whose tensor shares storage with an earlier key (tied embeddings); return the aliases."""
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for key, tensor in state.items():
+        ident = (tensor.untyped_storage().data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and ident in seen:
+            aliases[key] = seen[ident]
+        else:
+            seen[ident] = key
+            kept[key] = tensor
+    return kept, aliases

@@ -1,0 +1,135 @@
+"""What a run measures: metrics.jsonl, tokens/s and MFU, peak memory, loss spikes, the loss-curve PNG.
+
+metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
+`{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanopt.hardware import detect_gpu
+
+METRICS_FILE = "metrics.jsonl"
+CHART_FILE = "loss.png"
+
+
+class MetricsLog:
+    """Appends records to runs/NAME/metrics.jsonl (rank 0 only), flushed per line so a kill loses nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps after the checkpoint: they will be run again."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and _record_step(line) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": kind, **fields}, allow_nan=True) + "\n")
+
+
+def _record_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return sys.maxsize  # a torn last line from a kill: drop it
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def peak_flops_for(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """The dense peak FLOP/s MFU is measured against, and where it came from."""
+    if device.type != "cuda":
+        return None, "no peak for CPUs"
+    gpu = detect_gpu(torch.cuda.get_device_name(device))
+    if gpu is None:
+        return None, f"unknown GPU {torch.cuda.get_device_name(device)!r}"
+    return gpu.peak_flops(precision), f"{gpu.name} dense {'TF32' if precision == 'fp32' else 'BF16'} peak"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated GPU memory, or on the CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class SpikeMonitor:
+    """Flags a loss more than `threshold` standard deviations above the rolling mean of the last `window`."""
+
+    def __init__(self, threshold: float, window: int = 50, min_history: int = 20) -> None:
+        self.threshold = threshold
+        self.history: deque[float] = deque(maxlen=window)
+        self.min_history = min_history
+
+    def check(self, loss: float) -> float | None:
+        """The z-score of a spike, or None."""
+        spike = None
+        if len(self.history) >= self.min_history:
+            mean = sum(self.history) / len(self.history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
+            z = (loss - mean) / max(std, 1e-6)
+            if z > self.threshold:
+                spike = z
+        if math.isfinite(loss):
+            self.history.append(loss)
+        return spike
+
+
+def write_loss_chart(run_dir: Path) -> Path | None:
+    """Train and validation loss against tokens, as a PNG beside metrics.jsonl."""
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train", linewidth=1)
+    if evals:
+        ax.plot([r["tokens"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(f"{Path(run_dir).name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / CHART_FILE
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

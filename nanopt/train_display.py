@@ -1,0 +1,59 @@
+"""The live view of a training run on rank 0: a rich progress bar with the latest numbers, and log lines.
+
+Other ranks get a Display that prints nothing, so callers never branch on the rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Display:
+    def __init__(self, enabled: bool, live: bool) -> None:
+        self.enabled = enabled
+        self.console = Console(stderr=True, highlight=False)
+        self.live = live and enabled and self.console.is_terminal
+        self.progress: Progress | None = None
+        self.task = None
+        self.last_eval = "-"
+
+    def start(self, total_steps: int, step: int) -> None:
+        if not self.live:
+            return
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                                 console=self.console, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task("", total=total_steps, completed=step)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def advance(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, markup=False)
+
+    def log(self, r: dict[str, Any], val_loss: float | None, total_steps: int) -> None:
+        if not self.enabled:
+            return
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
+                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}")
+        self.console.print(line, markup=False)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=r["step"],
+                                 description=f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
+                                             f"val {self.last_eval}")
+
+    def eval(self, step: int, loss: float) -> None:
+        self.last_eval = f"{loss:.4f}"
+        self.note(f"step {step}: val loss {loss:.4f}")

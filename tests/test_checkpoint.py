@@ -1,0 +1,99 @@
+"""Checkpoint files: atomic write, retention, checksum verification, fallback to the previous checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanopt import checkpoint as ckpt
+from nanopt.errors import CheckpointError
+
+
+def write(run: Path, step: int) -> Path:
+    weights = {"w": torch.full((64, 64), float(step))}
+    optim = {"state": {"w": {"step": torch.tensor(float(step)), "exp_avg": torch.zeros(64, 64)}},
+             "param_groups": [{"lr": 1e-3, "params": ["w"]}]}
+    return ckpt.write_checkpoint(run, step, weights, optim, {"tokens": step * 10})
+
+
+def test_write_then_resolve_roundtrip(tmp_path: Path):
+    write(tmp_path, 10)
+    found = ckpt.resolve(tmp_path, "latest")
+    assert found.step == 10 and found.meta["tokens"] == 100
+    assert torch.equal(ckpt.load_model_state(found)["w"], torch.full((64, 64), 10.0))
+    optim = ckpt.load_optimizer_state(found)
+    assert optim["state"]["w"]["step"].item() == 10.0 and optim["param_groups"][0]["params"] == ["w"]
+    assert ckpt.read_pointer(ckpt.checkpoints_dir(tmp_path), "latest") == "step-000010"
+
+
+def test_retention_keeps_newest_and_best(tmp_path: Path):
+    for step in (10, 20, 30, 40):
+        write(tmp_path, step)
+    ckpt.write_pointer(ckpt.checkpoints_dir(tmp_path), "best", "step-000010")
+    ckpt.apply_retention(tmp_path, keep=2)
+    names = [p.name for p in ckpt.complete_checkpoints(tmp_path)]
+    assert names == ["step-000010", "step-000030", "step-000040"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "no_meta"])
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path: Path, damage: str):
+    write(tmp_path, 10)
+    newest = write(tmp_path, 20)
+    weights = newest / "model.safetensors"
+    if damage == "truncate":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif damage == "bitflip":
+        data = bytearray(weights.read_bytes())
+        data[-100] ^= 0x01
+        weights.write_bytes(bytes(data))
+    else:
+        (newest / "meta.json").unlink()
+    with pytest.raises(CheckpointError):
+        ckpt.verify(newest)
+    found, skipped = ckpt.newest_valid(tmp_path)
+    assert found.step == 10
+    assert len(skipped) == (0 if damage == "no_meta" else 1)  # without meta.json it is not a candidate at all
+
+
+FULL_DISK_SCRIPT = """
+import resource, signal, sys, torch
+from pathlib import Path
+from nanopt import checkpoint as ckpt
+from nanopt.errors import CheckpointError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write then fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+big = {"w": torch.zeros(256, 256)}  # 256 KiB: over the limit, like a full disk mid-write
+optim = {"state": {}, "param_groups": []}
+try:
+    ckpt.write_checkpoint(Path(sys.argv[1]), 20, big, optim, {"tokens": 200})
+except CheckpointError as exc:
+    print("ERROR", exc.one_line())
+"""
+
+
+def test_full_disk_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path):
+    import subprocess
+    import sys
+
+    write(tmp_path, 10)
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path)], capture_output=True, text=True)
+    assert "ERROR could not write checkpoint" in result.stdout, result.stderr
+    assert "earlier checkpoints" in result.stdout
+    assert ckpt.resolve(tmp_path, "latest").step == 10
+    assert ckpt.read_pointer(ckpt.checkpoints_dir(tmp_path), "latest") == "step-000010"
+    assert not list(ckpt.checkpoints_dir(tmp_path).glob(".tmp-*"))  # nothing half-written left behind
+
+
+def test_unknown_checkpoint_name_is_an_error(tmp_path: Path):
+    write(tmp_path, 10)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.resolve(tmp_path, "step-999999")
+
+
+def test_tied_weights_stored_once():
+    shared = torch.randn(8, 4)
+    kept, aliases = ckpt.dedupe_tied({"embed_tokens.weight": shared, "x": torch.randn(3), "lm_head.weight": shared})
+    assert list(kept) == ["embed_tokens.weight", "x"] and aliases == {"lm_head.weight": "embed_tokens.weight"}

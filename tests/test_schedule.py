@@ -1,0 +1,63 @@
+"""Learning-rate schedules are pure functions of the step: warmup, cosine, WSD, constant."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from nanopt.config import TrainConfig
+from nanopt.optim import lr_at, param_groups
+
+BASE = TrainConfig(data="x", micro_batch_size=1, global_batch_tokens=1, max_steps=1000, learning_rate=1e-3,
+                   min_lr_ratio=0.1, warmup_steps=100)
+
+
+def cfg(**changes) -> TrainConfig:
+    return dataclasses.replace(BASE, **changes)
+
+
+def test_warmup_is_linear_and_never_zero():
+    c = cfg()
+    assert lr_at(0, 1000, c) == pytest.approx(1e-5)
+    assert lr_at(49, 1000, c) == pytest.approx(5e-4)
+    assert lr_at(99, 1000, c) == pytest.approx(1e-3)
+
+
+def test_cosine_reaches_the_floor_exactly_at_the_last_step_and_is_monotone():
+    c = cfg(lr_schedule="cosine")
+    lrs = [lr_at(s, 1000, c) for s in range(100, 1000)]
+    assert lrs[0] == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    midpoint = 100 + (999 - 100) / 2
+    assert lr_at(int(midpoint), 1000, c) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.4994)),
+                                                          rel=1e-3)
+
+
+def test_wsd_is_flat_then_decays_over_the_last_fraction():
+    c = cfg(lr_schedule="wsd", decay_fraction=0.2)
+    assert lr_at(500, 1000, c) == pytest.approx(1e-3)
+    assert lr_at(799, 1000, c) == pytest.approx(1e-3)
+    assert lr_at(900, 1000, c) < 1e-3
+    assert lr_at(999, 1000, c) == pytest.approx(1e-4)
+
+
+def test_constant_after_warmup():
+    c = cfg(lr_schedule="constant")
+    assert lr_at(999, 1000, c) == pytest.approx(1e-3)
+
+
+def test_schedule_depends_only_on_step_so_resume_gets_the_same_lr():
+    c = cfg()
+    assert [lr_at(s, 1000, c) for s in range(300, 310)] == [lr_at(s, 1000, c) for s in range(300, 310)]
+
+
+def test_weight_decay_skips_biases_and_norms():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(model, 0.1)
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
