@@ -186,13 +186,18 @@ def loop(s: Session) -> dict[str, Any]:
     started = time.perf_counter()
     tokens_at_start = s.state.tokens
     window = _Window(time.perf_counter(), s.state.tokens)
+    if s.state.step >= s.total_steps:
+        s.display.note(f"{s.run.run_dir} is already complete ({s.state.step} steps); raise train_tokens or "
+                       "max_steps and pass --allow-changed to train further")
     s.display.start(s.total_steps, s.state.step)
     try:
         while s.state.step < s.total_steps:
             loss, norm, stop = step(s)
             window = maybe_log(s, loss, norm, window)
+            paused = time.perf_counter()
             maybe_eval(s)
             maybe_checkpoint(s, force=stop)
+            window.time += time.perf_counter() - paused  # tokens/s measures training steps only
             if stop:
                 s.display.note(f"preempted: saved step {s.state.step}; run `nanopt train {s.run.run_dir}` to "
                                "continue exactly where it stopped")
