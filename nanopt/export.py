@@ -1,0 +1,296 @@
+"""Export a trained model to a Hugging Face `transformers` directory.
+
+The directory holds config.json, model.safetensors (fp32) and, given a tokenizer, tokenizer.json,
+tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM.from_pretrained(dir)` and
+`AutoTokenizer.from_pretrained(dir)` load it without nanopt:
+
+- "llama" becomes LlamaForCausalLM: the weights keep their shapes, only the names change.
+- "gpt2" becomes GPT2LMHeadModel: its Conv1D layers store weights as [in, out], the transpose of nn.Linear, and
+  its c_attn fuses the q, k and v projections into one matrix.
+
+config.json carries both spellings that differ between transformers 4 and 5 (`torch_dtype` / `dtype`,
+`rope_theta` / `rope_parameters`), so either major version reads it. The directory is built beside `out_dir` and
+renamed into place, so a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nanopt.config import ModelConfig
+from nanopt.errors import CheckpointError, ConfigError, DataError
+from nanopt.model import Transformer
+
+END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_json: Path | None, out_dir: Path,
+              eos_id: int | None = None, *, force: bool = False) -> Path:
+    """Write a transformers directory for this model and return its path.
+
+    state_dict uses nanopt's key names (see nanopt.model); with tied embeddings `lm_head.weight` may be present or
+    not. eos_id defaults to the tokenizer's end-of-text token. An existing non-empty out_dir is refused unless
+    force=True, in which case it is replaced only once the new directory is complete.
+    """
+    out_dir = Path(out_dir)
+    check_exportable(model_cfg)
+    hf_state = to_hf_state_dict(model_cfg, state_dict)
+    tokenizer_files: dict[str, Any] = {}
+    if tokenizer_json is not None:
+        tokenizer_files, eos_id = _tokenizer_files(Path(tokenizer_json), model_cfg, eos_id)
+    _check_destination(out_dir, force)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        _write_json(staging / "config.json", hf_config(model_cfg, eos_id))
+        _save_safetensors(hf_state, staging / "model.safetensors")
+        for name, content in tokenizer_files.items():
+            if isinstance(content, Path):
+                shutil.copyfile(content, staging / name)
+            else:
+                _write_json(staging / name, content)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise ConfigError for a model that the matching transformers class cannot represent exactly."""
+    if cfg.architecture == "gpt2":
+        missing = [key for key in ("attention_bias", "mlp_bias") if not getattr(cfg, key)]
+        if missing:
+            raise ConfigError(
+                f"model.json: key '{missing[0]}': transformers' GPT2LMHeadModel always has biases, so a gpt2 model "
+                f"trained with {' and '.join(f'{k}=false' for k in missing)} cannot be exported exactly",
+                'train with the gpt2 defaults (biases on), or use architecture "llama", whose export supports '
+                "both")
+    elif cfg.architecture != "llama":
+        raise ConfigError(f"model.json: key 'architecture': cannot export {cfg.architecture!r}",
+                          'export supports "llama" and "gpt2"')
+
+
+def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
+    """config.json contents. bos = eos: nanopt separates documents with EOS and has no separate BOS."""
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.initializer_range,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+    if cfg.architecture == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": cfg.attention_bias,
+            "mlp_bias": cfg.mlp_bias,
+            # Llama in transformers has attention dropout only; nanopt's residual dropout has no counterpart.
+            "attention_dropout": cfg.dropout,
+            **common,
+        }
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_hidden_layers,
+        "n_head": cfg.num_attention_heads,
+        "n_positions": cfg.max_position_embeddings,
+        "n_inner": cfg.intermediate_size,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "resid_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "embd_pdrop": 0.0,  # nanopt applies no dropout to the embeddings
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        **common,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """nanopt weights -> transformers names and layouts, as contiguous fp32 CPU tensors. A tied head is left out:
+    transformers ties it to the embedding on load."""
+    _check_state_dict(cfg, state_dict)
+    state = {key: value.detach().to(device="cpu", dtype=torch.float32) for key, value in state_dict.items()}
+    convert = _llama_weights if cfg.architecture == "llama" else _gpt2_weights
+    hf_state = convert(cfg, state)
+    if not cfg.tie_word_embeddings:
+        hf_state["lm_head.weight"] = state["lm_head.weight"]
+    return {key: value.contiguous() for key, value in hf_state.items()}
+
+
+def _llama_weights(cfg: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    renames = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn": "self_attn"}
+    hf_state = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
+    for key, value in state.items():
+        if key.startswith("layers."):
+            _, index, module, rest = key.split(".", 3)
+            hf_state[f"model.layers.{index}.{renames.get(module, module)}.{rest}"] = value
+    return hf_state
+
+
+def _gpt2_weights(cfg: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    hf_state = {
+        "transformer.wte.weight": state["embed_tokens.weight"],
+        "transformer.wpe.weight": state["embed_positions.weight"],
+        "transformer.ln_f.weight": state["norm.weight"],
+        "transformer.ln_f.bias": state["norm.bias"],
+    }
+    for i in range(cfg.num_hidden_layers):
+        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            hf_state[f"{theirs}ln_1.{kind}"] = state[f"{ours}attn_norm.{kind}"]
+            hf_state[f"{theirs}ln_2.{kind}"] = state[f"{ours}mlp_norm.{kind}"]
+        # Conv1D computes x @ W + b with W [in, out]: transpose each nn.Linear weight; biases are unchanged.
+        qkv = [f"{ours}attn.{p}_proj" for p in ("q", "k", "v")]
+        hf_state[f"{theirs}attn.c_attn.weight"] = torch.cat([state[f"{p}.weight"] for p in qkv], dim=0).T
+        hf_state[f"{theirs}attn.c_attn.bias"] = torch.cat([state[f"{p}.bias"] for p in qkv], dim=0)
+        for hf_name, our_name in (("attn.c_proj", "attn.o_proj"), ("mlp.c_fc", "mlp.up_proj"),
+                                  ("mlp.c_proj", "mlp.down_proj")):
+            hf_state[f"{theirs}{hf_name}.weight"] = state[f"{ours}{our_name}.weight"].T
+            hf_state[f"{theirs}{hf_name}.bias"] = state[f"{ours}{our_name}.bias"]
+    return hf_state
+
+
+def _check_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor]) -> None:
+    """The weights must be exactly those of Transformer(cfg): same names, same shapes."""
+    with torch.device("meta"):
+        expected = {key: tuple(value.shape) for key, value in Transformer(cfg).state_dict().items()}
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(expected) - set(state_dict) - optional)
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong_shape = sorted(key for key in set(expected) & set(state_dict)
+                         if tuple(state_dict[key].shape) != expected[key])
+    hint = "export with the model.json the checkpoint was trained with"
+    if missing or unexpected:
+        raise CheckpointError(f"weights do not match model.json: missing {_few(missing)}, unexpected "
+                              f"{_few(unexpected)}", hint)
+    if wrong_shape:
+        key = wrong_shape[0]
+        raise CheckpointError(f"weights do not match model.json: {key} has shape {tuple(state_dict[key].shape)}, "
+                              f"expected {expected[key]}", hint)
+    if optional and "lm_head.weight" in state_dict and not torch.equal(state_dict["lm_head.weight"],
+                                                                       state_dict["embed_tokens.weight"]):
+        raise CheckpointError("model.json ties the embeddings but lm_head.weight differs from embed_tokens.weight",
+                              hint)
+
+
+def _few(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+
+
+def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # transformers refuses safetensors files whose metadata does not say which framework wrote them.
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+
+def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[dict[str, Any], int]:
+    """The tokenizer files to write, and the EOS id (given, or the tokenizer's end-of-text token)."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file not found", "pass the tokenizer.json of the run's dataset")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for unreadable files
+        raise DataError(f"{path}: not a Hugging Face tokenizers file ({exc})",
+                        "pass the tokenizer.json of the run's dataset") from None
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise ConfigError(f"model.json: key 'vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.get_vocab_size()} tokens ({path})", "export with the run's own tokenizer")
+    eos_token = _end_of_text_token(tokenizer, eos_id, path)
+    eos_id = tokenizer.token_to_id(eos_token)
+    special = {"bos_token": eos_token, "eos_token": eos_token, "unk_token": eos_token}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": cfg.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    files = {"tokenizer.json": path, "tokenizer_config.json": tokenizer_config, "special_tokens_map.json": special}
+    return files, eos_id
+
+
+def _end_of_text_token(tokenizer: Any, eos_id: int | None, path: Path) -> str:
+    if eos_id is not None:
+        token = tokenizer.id_to_token(eos_id)
+        if token is None:
+            raise DataError(f"{path}: EOS id {eos_id} is not in the tokenizer", "pass the dataset's EOS id")
+        return token
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    for name in END_OF_TEXT_NAMES:
+        if name in vocab:
+            return name
+    special = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    if special:
+        return special[0]
+    raise DataError(f"{path}: no end-of-text token found", "pass eos_id, the id that separates documents")
+
+
+# ---------------------------------------------------------------------------------------------- the files
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_destination(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: exists and is not a directory", "choose another output path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ConfigError(f"{out_dir}: already exists and is not empty", "pass --force to replace it")
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename the finished staging directory to out_dir; a previous out_dir is set aside first and deleted only
+    after the rename succeeded, so at every moment one complete export exists."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()  # only the unique name is wanted; rename needs the target not to exist
+    out_dir.rename(old)
+    try:
+        staging.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
