@@ -105,30 +105,43 @@ def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
 
 
 def setup(run: RunConfig, rt: Runtime, opts: TrainOptions) -> Session:
+    """A training session, resumed per `opts.resume`, writing metrics and checkpoints into the run directory."""
+    session = build_session(run, rt, opts, writes=True)
+    if rt.is_main:
+        ckpt.remove_stale_temporaries(run.run_dir)
+    maybe_resume(session)
+    _announce(session)
+    return session
+
+
+def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None, *, writes: bool = False,
+                  check_data_budget: bool = True) -> Session:
+    """Dataset, model, parallel wrapping, optimizer and loader at step 0, exactly as training uses them.
+
+    With writes=False nothing is written into the run directory: `find-batch` and `profile` measure the real
+    training step through this without touching a run's metrics or checkpoints.
+    """
     from nanopt.data.dataset import TokenDataset
     from nanopt.data.loader import TrainLoader, check_budget, check_compatible
     from nanopt.model import Transformer
 
+    opts = opts or TrainOptions(resume="none", live=False)
     accum = run.grad_accum_steps(rt.world_size)
     dataset = TokenDataset.open(run.train.data)
     check_compatible(dataset, run.model.vocab_size)
-    check_budget(dataset, "train", run.total_tokens)
+    if check_data_budget:
+        check_budget(dataset, "train", run.total_tokens)
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
                          rt.world_size, run.train.seed)
     peak, source = peak_flops_for(rt.device, rt.precision)
-    session = Session(
+    return Session(
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, loader=loader, dataset=dataset,
-        accum=accum, total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main),
+        accum=accum, total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes),
         display=Display(rt.is_main, opts.live), flops_per_token=flops_per_token(run.model, run.seq_len),
         peak_flops=peak, peak_source=source, spikes=SpikeMonitor(run.train.spike_threshold))
-    if rt.is_main:
-        ckpt.remove_stale_temporaries(run.run_dir)
-    maybe_resume(session)
-    _announce(session)
-    return session
 
 
 def maybe_resume(s: Session) -> None:
