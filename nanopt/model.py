@@ -48,7 +48,7 @@ IGNORE_INDEX = -100
 
 # The loss never holds the whole [B*T, vocab] logits in fp32: it works through row chunks whose fp32 logits take
 # at most this many bytes, and recomputes each chunk's logits in backward instead of keeping them.
-LOSS_CHUNK_BYTES = 1 << 30
+LOSS_CHUNK_BYTES = 512 << 20  # vocab 128256: ~1000 rows a chunk, still large enough to keep the GPU busy
 MAX_LOSS_CHUNK_ROWS = 8192
 MIN_LOSS_CHUNK_ROWS = 256
 

@@ -143,6 +143,27 @@ def test_chunked_loss_equals_full_cross_entropy(name):
         assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-6), n
 
 
+def test_chunked_loss_saves_no_logits_for_backward():
+    # Every tensor autograd keeps for backward outside the checkpointed chunks passes through this hook. Logits
+    # (or their log-softmax) would be [rows, vocab]; with recomputation in backward none is kept, not even a chunk.
+    rows, hidden_size, vocab = 256, 64, 211
+    hidden = torch.randn(rows, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    saved_shapes = []
+
+    def record(tensor):
+        saved_shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        loss = chunked_cross_entropy(hidden, weight, targets, chunk_rows=32)
+    loss.backward()
+    assert saved_shapes, "the hook saw nothing; the test would pass vacuously"
+    assert not [shape for shape in saved_shapes if shape[-1:] == (vocab,)]
+    assert hidden.grad is not None and weight.grad is not None
+
+
 def test_chunked_loss_all_ignored_is_nan_like_cross_entropy():
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
     targets = torch.full((4,), -100)
