@@ -1,0 +1,147 @@
+"""`nanopt tokenize`: a corpus in, a dataset directory of memory-mappable token shards out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from nanopt.cli import format as fmt
+from nanopt.cli.app import app, console, print_json
+
+EPILOG = """
+Examples:
+
+  nanopt tokenize --out data/stdlib          # built-in corpus (Python's standard library): offline, ~10 s
+
+  nanopt tokenize HuggingFaceFW/fineweb-edu --config sample-10BT --tokenizer gpt2 --max-tokens 2.5B --out data/fineweb-edu
+
+  nanopt tokenize HuggingFaceFW/fineweb-edu --config sample-10BT --tokenizer gpt2 --max-tokens chinchilla --run runs/gpt2-small --out data/fineweb-edu
+
+  nanopt tokenize corpus/ --vocab-size 32768 --out data/mine      # a folder of .txt / .jsonl / .parquet files
+
+  nanopt tokenize 'dump/*.parquet' --text-column content --tokenizer HuggingFaceTB/SmolLM-360M --out data/code
+
+  nanopt tokenize notes.txt --sample-by paragraph --vocab-size 2048 --out data/notes --force --json
+"""  # noqa: E501  (whole commands stay on one line so they can be copied)
+
+
+@app.command("tokenize", epilog=EPILOG)
+def tokenize_command(
+    source: str | None = typer.Argument(None, help="A Hugging Face dataset name, or a local file, folder or glob "
+                                                   "(txt, json/jsonl, parquet). None: the built-in corpus."),
+    out: Path = typer.Option(..., "--out", "-o", help="Dataset directory to create, e.g. data/stdlib."),
+    config: str | None = typer.Option(None, "--config", help="Hub dataset configuration, e.g. sample-10BT."),
+    split: str = typer.Option("train", "--split", help="Hub dataset split to read."),
+    text_column: str = typer.Option("text", "--text-column", help="Column holding the text (json, parquet, hub)."),
+    sample_by: str = typer.Option("document", "--sample-by", help="Text files: one document per file "
+                                                                  "(document), per blank-line paragraph, or line."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Hugging Face tokenizer name (e.g. gpt2) or "
+                                                                   "a local tokenizer.json / directory."),
+    vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a byte-level BPE of this size instead "
+                                                                     "(built-in corpus default: 4096)."),
+    eos_token: str | None = typer.Option(None, "--eos-token", help="End-of-text token of a loaded tokenizer, "
+                                                                   "when it cannot be detected."),
+    tokenizer_sample_mb: int = typer.Option(64, "--tokenizer-sample-mb", help="Train the BPE on the first this "
+                                                                             "many MiB of training documents."),
+    val_fraction: float | None = typer.Option(None, "--val-fraction", help="Share of documents in val (default "
+                                                                           "0.005; built-in corpus 0.05)."),
+    test_fraction: float | None = typer.Option(None, "--test-fraction", help="Share of documents in test (same "
+                                                                             "defaults)."),
+    max_tokens: str | None = typer.Option(None, "--max-tokens", help="Stop when train has this many tokens: 2.5B, "
+                                                                     "500M, 20e9, or chinchilla (with --run)."),
+    run_dir: Path | None = typer.Option(None, "--run", help="Run directory whose model sets --max-tokens "
+                                                            "chinchilla (20 tokens per parameter)."),
+    shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
+    batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call (each batch is encoded on "
+                                                             "all cores)."),
+    threads: int | None = typer.Option(None, "--threads", help="Tokenizer threads (default: every core)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+) -> None:
+    """Tokenize a corpus into train / val / test shards of token ids, with the tokenizer and a meta.json."""
+    from nanopt.data.budget import parse_token_count, resolve_max_tokens
+    from nanopt.data.pipeline import build_dataset
+    from nanopt.tokenizer import set_threads
+
+    set_threads(threads)
+    settings = dict(config=config, split=split, text_column=text_column, sample_by=sample_by, tokenizer=tokenizer,
+                    vocab_size=vocab_size, eos_token=eos_token, tokenizer_sample_bytes=tokenizer_sample_mb << 20,
+                    val_fraction=val_fraction, test_fraction=test_fraction,
+                    max_tokens=resolve_max_tokens(max_tokens, run_dir),
+                    shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
+                    force=force)
+    with _progress() as reporter:
+        summary = build_dataset(out, source, progress=reporter, **settings)
+    if as_json:
+        print_json(summary)
+    else:
+        render(summary)
+
+
+def _progress():
+    """A rich progress bar on stderr (nothing when stderr is not a terminal), as a pipeline ProgressReporter."""
+    import rich.progress as rp
+
+    from nanopt.data.pipeline import ProgressReporter
+
+    err = console(stderr=True)
+    bar = rp.Progress(rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.BarColumn(),
+                      rp.TaskProgressColumn(), rp.TextColumn("{task.fields[rate]}"), rp.TimeElapsedColumn(),
+                      rp.TextColumn("ETA"), rp.TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+
+    class RichReporter(ProgressReporter):
+        def __init__(self) -> None:
+            self.task: Any = None
+            self.started = time.monotonic()
+
+        def phase(self, description: str) -> None:
+            if self.task is not None:
+                bar.stop_task(self.task)
+            self.task = bar.add_task(description, total=None, rate="")
+            self.started = time.monotonic()
+
+        def update(self, documents: int, tokens: int, fraction: float | None) -> None:
+            elapsed = max(time.monotonic() - self.started, 1e-6)
+            rate = f"{fmt.count(documents / elapsed)} docs/s"
+            if tokens:
+                rate += f"  {fmt.count(tokens / elapsed)} tokens/s"
+            if fraction is None:
+                bar.update(self.task, rate=rate)
+            else:
+                bar.update(self.task, total=1000, completed=round(1000 * fraction), rate=rate)
+
+        def __enter__(self) -> RichReporter:
+            bar.start()
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            bar.stop()
+
+    return RichReporter()
+
+
+def render(s: dict[str, Any]) -> None:
+    out = console()
+    table = Table(title=f"nanopt tokenize: {s['out']}", title_justify="left")
+    for name in ("split", "documents", "tokens", "mean doc", "median doc", "bytes/token", "shards"):
+        table.add_column(name, justify="left" if name == "split" else "right")
+    for name, info in s["splits"].items():
+        table.add_row(name, fmt.exact(info["documents"]), fmt.exact(info["tokens"]),
+                      f"{info['mean_document_tokens']:,.1f}", f"{info['median_document_tokens']:,.1f}",
+                      f"{info['bytes_per_token']:.3f}", str(info["shards"]))
+    table.add_row("total", fmt.exact(s["documents"]), fmt.exact(s["tokens"]), "", "", "", "", style="bold")
+    out.print(table)
+    tok = s["tokenizer"]
+    out.print(f"tokenizer: {tok['source']} ({tok['model']}, vocab {s['vocab_size']:,}, EOS {tok['eos_token']!r} = "
+              f"id {tok['eos_id']}), shards: {s['dtype']}")
+    budget = "  (stopped at --max-tokens)" if s["stopped_at_budget"] else ""
+    out.print(f"document lengths in tokens; time {fmt.duration(s['seconds'])} (tokenizing "
+              f"{fmt.duration(s['tokenize_seconds'])}: {fmt.count(s['tokens_per_second'])} tokens/s, "
+              f"{fmt.count(s['documents_per_second'])} docs/s); {s['empty_documents_skipped']:,} empty documents "
+              f"skipped{budget}")
+    for warning in s["warnings"]:
+        out.print(f"[yellow]warning:[/] {warning}")

@@ -1,0 +1,54 @@
+"""Token counts as people write them: `3.3B`, `20e9`, `500M`, `1_000_000`, or `chinchilla` for a run's model."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from nanopt.errors import ConfigError
+
+SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+CHINCHILLA_TOKENS_PER_PARAM = 20
+_NUMBER = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
+_HINT = "write e.g. 500M, 2.5B, 20e9, 1000000, or chinchilla (with --run runs/NAME)"
+
+
+def parse_token_count(text: str, option: str = "--max-tokens") -> int:
+    """An exact positive integer: decimal arithmetic, so `3.3B` is 3300000000, not 3299999999."""
+    match = _NUMBER.match(text)
+    if not match:
+        raise ConfigError(f"{option} {text!r} is not a token count", _HINT)
+    digits, suffix = match.group(1).replace("_", "").replace(",", ""), match.group(2).upper()
+    try:
+        value = Decimal(digits) * SUFFIXES[suffix]
+    except InvalidOperation:
+        raise ConfigError(f"{option} {text!r} is not a token count", _HINT) from None
+    if value != value.to_integral_value():
+        raise ConfigError(f"{option} {text!r} is not a whole number of tokens", _HINT)
+    if value <= 0:
+        raise ConfigError(f"{option} {text!r} must be positive", _HINT)
+    return int(value)
+
+
+def chinchilla_tokens(run_dir: Path | str) -> int:
+    """20 tokens per parameter of the run's model (Hoffmann et al. 2022), parameters as `nanopt estimate` counts."""
+    from nanopt.config import load_run
+    from nanopt.flops import count_params
+
+    run = load_run(run_dir)
+    return CHINCHILLA_TOKENS_PER_PARAM * count_params(run.model).total
+
+
+def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> int | None:
+    """The --max-tokens option: None (no budget), a count, or `chinchilla` (needs --run)."""
+    if text is None:
+        if run_dir is not None:
+            raise ConfigError("--run is only used with --max-tokens chinchilla", "add --max-tokens chinchilla")
+        return None
+    if text.strip().lower() == "chinchilla":
+        if run_dir is None:
+            raise ConfigError("--max-tokens chinchilla needs --run, the run whose model sets the budget",
+                              "add --run runs/NAME")
+        return chinchilla_tokens(run_dir)
+    return parse_token_count(text)

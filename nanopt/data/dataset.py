@@ -1,0 +1,221 @@
+"""Opening a dataset directory made by `nanopt tokenize`, and checking it against a model and a token budget.
+
+    data/NAME/
+      meta.json        format, format_version, vocab_size, eos_id, eos_token, dtype, tokenizer (description and
+                       sha256), splits: {train, val, test: documents, tokens, bytes, bytes_per_token, document length
+                       stats, max_token_id, shards: [{file, tokens, sha256}]}, source, settings, stats, created
+      tokenizer.json   the exact tokenizer used
+      train/ val/ test/shard-00000.npy ...   1-D .npy arrays of token ids, documents each followed by eos_id
+
+A split is one token stream: its shards concatenated in order. `open` checks everything that is cheap to check
+(format version, keys, every shard's header, dtype and size) so a damaged dataset fails before training starts;
+`verify` also checks the sha256 of every file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file, token_dtype
+from nanopt.errors import DataError
+
+DTYPES = ("uint16", "uint32")
+
+
+def _retokenize_hint(path: Path) -> str:
+    return f"re-create it: `nanopt tokenize SOURCE --out {path} --force` (no SOURCE: the built-in corpus)"
+
+
+class TokenDataset:
+    """A validated dataset directory; the shards of each split are memory-mapped on first use and kept open."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.meta = meta
+        self.vocab_size: int = meta["vocab_size"]
+        self.eos_id: int = meta["eos_id"]
+        self.dtype = np.dtype(meta["dtype"])
+        self.tokenizer_path = path / "tokenizer.json"
+        self._streams: dict[str, TokenStream] = {}
+
+    @classmethod
+    def open(cls, path: Path | str) -> TokenDataset:
+        path = Path(path)
+        if not path.is_dir():
+            raise DataError(f"{path}: dataset directory not found",
+                            f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)")
+        meta = _read_meta(path)
+        _check_meta(path, meta)
+        if not (path / "tokenizer.json").is_file():
+            raise DataError(f"{path}: tokenizer.json is missing", _retokenize_hint(path))
+        for split, info in meta["splits"].items():
+            for shard in info["shards"]:
+                _check_shard(path, split, shard, np.dtype(meta["dtype"]))
+        return cls(path, meta)
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.meta["splits"])
+
+    def _split(self, split: str) -> dict[str, Any]:
+        if split not in self.meta["splits"]:
+            raise DataError(f"{self.path}: no split '{split}' (has {', '.join(self.splits)})", _retokenize_hint(
+                self.path))
+        return self.meta["splits"][split]
+
+    def split_tokens(self, split: str) -> int:
+        return int(self._split(split)["tokens"])
+
+    def split_documents(self, split: str) -> int:
+        return int(self._split(split)["documents"])
+
+    def bytes_per_token(self, split: str) -> float:
+        """UTF-8 bytes of the split's text per token (EOS separators counted as tokens), for bits per byte."""
+        info = self._split(split)
+        if not info["tokens"]:
+            raise DataError(f"{self.path}: split '{split}' is empty", _retokenize_hint(self.path))
+        return info["bytes"] / info["tokens"]
+
+    def max_token_id(self) -> int:
+        return max((int(info.get("max_token_id", -1)) for info in self.meta["splits"].values()), default=-1)
+
+    def stream(self, split: str) -> TokenStream:
+        """The split's shards as one token stream (memory maps, opened once)."""
+        if split not in self._streams:
+            files = [self.path / shard["file"] for shard in self._split(split)["shards"]]
+            self._streams[split] = TokenStream([np.load(f, mmap_mode="r") for f in files])
+        return self._streams[split]
+
+    def verify(self) -> None:
+        """Check the sha256 of tokenizer.json and of every shard against meta.json (reads every byte)."""
+        expected = self.meta["tokenizer"].get("sha256")
+        if expected and sha256_file(self.tokenizer_path) != expected:
+            raise DataError(f"{self.tokenizer_path}: checksum mismatch", _retokenize_hint(self.path))
+        for info in self.meta["splits"].values():
+            for shard in info["shards"]:
+                if sha256_file(self.path / shard["file"]) != shard["sha256"]:
+                    raise DataError(f"{self.path / shard['file']}: checksum mismatch (the file changed after it "
+                                    "was written)", _retokenize_hint(self.path))
+
+
+class TokenStream:
+    """Shards read as one concatenated stream; reads that cross shard boundaries are stitched together."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+        self.ends = np.cumsum([len(a) for a in arrays], dtype=np.int64)
+        self.total = int(self.ends[-1]) if arrays else 0
+
+    def read(self, start: int, out: np.ndarray) -> None:
+        """Fill `out` with tokens [start, start + len(out)) of the stream."""
+        position, filled = start, 0
+        while filled < len(out):
+            shard = int(np.searchsorted(self.ends, position, side="right"))
+            offset = position - (int(self.ends[shard - 1]) if shard else 0)
+            piece = self.arrays[shard][offset:offset + len(out) - filled]
+            out[filled:filled + len(piece)] = piece
+            filled += len(piece)
+            position += len(piece)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """An int64 array [len(starts), length]: row i holds tokens [starts[i], starts[i] + length)."""
+        batch = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts):
+            if start < 0 or start + length > self.total:
+                raise IndexError(f"window [{start}, {start + length}) outside a stream of {self.total} tokens")
+            self.read(int(start), batch[row])
+        return batch
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"{path}: incomplete dataset (no meta.json; was `nanopt tokenize` interrupted?)",
+                        _retokenize_hint(path))
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{meta_path}: not valid JSON ({exc})", _retokenize_hint(path)) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{meta_path}: not a nanopt dataset (format is not {FORMAT!r})", _retokenize_hint(path))
+    return meta
+
+
+def _check_meta(path: Path, meta: dict[str, Any]) -> None:
+    where = path / "meta.json"
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise DataError(f"{where}: bad format_version {version!r}", _retokenize_hint(path))
+    if version > FORMAT_VERSION:
+        raise DataError(f"{where}: format_version {version} is newer than this nanopt reads ({FORMAT_VERSION})",
+                        "upgrade nanopt, or re-tokenize with this version")
+    for key in ("vocab_size", "eos_id"):
+        if not isinstance(meta.get(key), int) or meta[key] < 0:
+            raise DataError(f"{where}: key '{key}' missing or not a non-negative integer", _retokenize_hint(path))
+    if meta["eos_id"] >= meta["vocab_size"]:
+        raise DataError(f"{where}: eos_id {meta['eos_id']} is outside vocab_size {meta['vocab_size']}",
+                        _retokenize_hint(path))
+    if meta.get("dtype") not in DTYPES:
+        raise DataError(f"{where}: key 'dtype' is {meta.get('dtype')!r}, expected one of {DTYPES}",
+                        _retokenize_hint(path))
+    if np.dtype(meta["dtype"]).itemsize < token_dtype(meta["vocab_size"]).itemsize:
+        raise DataError(f"{where}: dtype {meta['dtype']} cannot hold a vocabulary of {meta['vocab_size']}",
+                        _retokenize_hint(path))
+    if not isinstance(meta.get("splits"), dict) or "train" not in meta["splits"]:
+        raise DataError(f"{where}: key 'splits' missing or without a train split", _retokenize_hint(path))
+    for split, info in meta["splits"].items():
+        _check_split_meta(path, split, info)
+
+
+def _check_split_meta(path: Path, split: str, info: Any) -> None:
+    where = f"{path / 'meta.json'}: split '{split}'"
+    try:
+        shard_tokens = [int(shard["tokens"]) for shard in info["shards"]]
+        declared = int(info["tokens"]), int(info["bytes"]), int(info["documents"])
+        files = [str(shard["file"]) for shard in info["shards"]]
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"{where}: malformed (needs documents, tokens, bytes and shards with file and tokens)",
+                        _retokenize_hint(path)) from None
+    if sum(shard_tokens) != declared[0]:
+        raise DataError(f"{where}: shards hold {sum(shard_tokens)} tokens but the split says {declared[0]}",
+                        _retokenize_hint(path))
+    if any(Path(f).is_absolute() or ".." in Path(f).parts for f in files):
+        raise DataError(f"{where}: shard paths must stay inside the dataset directory", _retokenize_hint(path))
+
+
+def _check_shard(path: Path, split: str, shard: dict[str, Any], dtype: np.dtype) -> None:
+    file = path / shard["file"]
+    found, length, offset = read_header(file)
+    if found != dtype:
+        raise DataError(f"{file}: tokens are {found.name} but meta.json says {dtype.name}", _retokenize_hint(path))
+    if length != shard["tokens"]:
+        raise DataError(f"{file}: holds {length} tokens but meta.json says {shard['tokens']}",
+                        _retokenize_hint(path))
+    expected_size = offset + length * dtype.itemsize
+    if file.stat().st_size != expected_size:
+        raise DataError(f"{file}: {file.stat().st_size} bytes, expected {expected_size} (truncated or padded)",
+                        _retokenize_hint(path))
+
+
+def check_compatible(dataset: TokenDataset, model_vocab_size: int) -> None:
+    """Every token id of the dataset must be an embedding row of the model (a larger model vocab is fine)."""
+    needed = max(dataset.vocab_size, dataset.max_token_id() + 1)
+    if needed > model_vocab_size:
+        padded = -(-needed // 64) * 64
+        raise DataError(f"{dataset.path}: its tokenizer has {needed:,} token ids but the model's vocab_size is "
+                        f"{model_vocab_size:,}",
+                        f"set vocab_size to at least {needed} in model.json (e.g. {padded}, a multiple of 64), or "
+                        f"tokenize with a tokenizer of at most {model_vocab_size} tokens (--vocab-size)")
+
+
+def check_budget(dataset: TokenDataset, split: str, tokens_needed: int) -> None:
+    """DataError when the split has fewer tokens than a run needs."""
+    available = dataset.split_tokens(split)
+    if available < tokens_needed:
+        raise DataError(f"{dataset.path}: split '{split}' has {available:,} tokens but {tokens_needed:,} are needed",
+                        "tokenize more (a larger source or --max-tokens), or lower train_tokens / max_steps in "
+                        "train.json")

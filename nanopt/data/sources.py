@@ -1,0 +1,301 @@
+"""Corpus sources. Each yields documents as strings, in a deterministic order, without holding the corpus.
+
+- The built-in corpus: the Python standard library installed on this machine (its .py sources, whose docstrings are
+  its documentation, and any .txt / .rst files shipped with it), one document per file, in sorted path order. It
+  needs no download, so the CPU demo works offline.
+- Local files, folders and globs (txt, json / jsonl, parquet, optionally .gz / .bz2 / .xz / .zst compressed), read
+  through the same `datasets.load_dataset(..., streaming=True)` calls as a hub dataset.
+- A Hugging Face hub dataset by name, streamed (`streaming=True`), so a 100B-token corpus is never downloaded whole.
+"""
+
+from __future__ import annotations
+
+import glob
+import platform
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from nanopt.errors import ConfigError, DataError
+
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json",
+            ".ndjson": "json", ".parquet": "parquet"}
+COMPRESSIONS = {".gz", ".bz2", ".xz", ".zst"}
+SAMPLE_BY = ("document", "paragraph", "line")
+_HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_ITER_BATCH = 1024  # rows fetched at once from a `datasets` stream
+
+
+@dataclass(frozen=True)
+class SizeHint:
+    """What is known up front about a source's size, for the progress bar's ETA."""
+
+    bytes: int | None = None
+    documents: int | None = None
+
+
+class Source(Protocol):
+    kind: str
+
+    def texts(self) -> Iterator[str]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def size_hint(self) -> SizeHint: ...
+
+
+def open_source(spec: str | None, config: str | None = None, split: str = "train", text_column: str = "text",
+                sample_by: str = "document") -> Source:
+    """The built-in corpus when spec is None, local files when spec exists on disk (or is a glob), else the hub."""
+    if sample_by not in SAMPLE_BY:
+        raise ConfigError(f"--sample-by {sample_by!r} is not one of {', '.join(SAMPLE_BY)}",
+                          "document: one document per text file; paragraph: split at blank lines; line: per line")
+    if spec is None:
+        return StdlibSource()
+    if _GLOB_CHARS.search(spec) or Path(spec).expanduser().exists():
+        if config is not None:
+            raise ConfigError("--config applies to Hugging Face hub datasets only", "remove --config")
+        return FileSource(spec, text_column, sample_by)
+    if _builder_for(Path(spec)) is not None or not _HUB_NAME.match(spec):
+        raise DataError(f"{spec}: no such file or directory", "check the path, or give a Hugging Face dataset name "
+                        "such as HuggingFaceFW/fineweb-edu")
+    return HubSource(spec, config, split, text_column)
+
+
+# ---------------------------------------------------------------------------------------------- built-in corpus
+
+
+class StdlibSource:
+    """The installed Python standard library: one document per .py / .txt / .rst file, sorted by path.
+
+    Left out: site-packages (third-party code that differs per machine), test suites (half the bytes, mostly
+    fixtures and deliberately odd encodings), and _sysconfigdata* (this machine's build paths).
+    """
+
+    kind = "builtin"
+    SUFFIXES = (".py", ".txt", ".rst")
+    SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root or sysconfig.get_paths()["stdlib"])
+        self._files: list[Path] | None = None
+
+    def files(self) -> list[Path]:
+        if self._files is None:
+            found = (p for p in self.root.rglob("*") if p.suffix in self.SUFFIXES and self._wanted(p))
+            self._files = sorted(found, key=lambda p: p.relative_to(self.root).as_posix())
+        return self._files
+
+    def _wanted(self, path: Path) -> bool:
+        parts = path.relative_to(self.root).parts
+        return (not self.SKIP_DIRS.intersection(parts[:-1]) and not parts[0].startswith("config-")
+                and not path.name.startswith("_sysconfigdata") and path.is_file())
+
+    def texts(self) -> Iterator[str]:
+        for path in self.files():
+            # errors="replace": a stray undecodable byte becomes U+FFFD instead of stopping the run
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": "python-stdlib", "python": platform.python_version(),
+                "root": str(self.root), "files": len(self.files()), "bytes": self._total_bytes()}
+
+    def size_hint(self) -> SizeHint:
+        return SizeHint(bytes=self._total_bytes(), documents=len(self.files()))
+
+    def _total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files())
+
+
+# ---------------------------------------------------------------------------------------------- local files
+
+
+class FileSource:
+    """Local text / JSON / parquet files; a folder means every supported file under it, sorted by path."""
+
+    kind = "files"
+
+    def __init__(self, spec: str, text_column: str = "text", sample_by: str = "document") -> None:
+        self.spec, self.text_column, self.sample_by = spec, text_column, sample_by
+        self.groups = _group_by_builder(_resolve_files(spec), spec)
+
+    def texts(self) -> Iterator[str]:
+        for builder, files in self.groups.items():
+            column = "text" if builder == "text" else self.text_column
+            stream = _load_stream(builder, f"files {self.spec}", data_files=[str(f) for f in files], split="train",
+                                  **_builder_options(builder, self.sample_by))
+            yield from _column_texts(stream, column, self.spec)
+
+    def describe(self) -> dict[str, Any]:
+        files = [f for group in self.groups.values() for f in group]
+        return {"kind": self.kind, "spec": self.spec, "formats": sorted(self.groups), "files": len(files),
+                "bytes": sum(f.stat().st_size for f in files), "text_column": self.text_column,
+                "sample_by": self.sample_by}
+
+    def size_hint(self) -> SizeHint:
+        if set(self.groups) == {"parquet"}:
+            import pyarrow.parquet as pq
+
+            return SizeHint(documents=sum(pq.read_metadata(f).num_rows for f in self.groups["parquet"]))
+        if set(self.groups) == {"text"} and self.sample_by == "document":
+            return SizeHint(documents=len(self.groups["text"]))
+        return SizeHint()
+
+
+def _resolve_files(spec: str) -> list[Path]:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        candidates = [p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))]
+    else:
+        candidates = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+    files = sorted((p for p in candidates if _builder_for(p)), key=lambda p: p.as_posix())
+    if not files:
+        raise DataError(f"{spec}: no .txt, .json, .jsonl or .parquet files found",
+                        "point at a file, a folder or a glob such as 'corpus/*.jsonl'")
+    return files
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _builder_for(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _group_by_builder(files: list[Path], spec: str) -> dict[str, list[Path]]:
+    groups: dict[str, list[Path]] = {}
+    for path in files:
+        builder = _builder_for(path)
+        if builder is None:
+            raise DataError(f"{path}: unsupported file type", "use .txt, .json, .jsonl or .parquet files")
+        groups.setdefault(builder, []).append(path)
+    return dict(sorted(groups.items()))  # a fixed order of formats for a mixed folder
+
+
+def _builder_options(builder: str, sample_by: str) -> dict[str, Any]:
+    if builder == "text":
+        return {"sample_by": sample_by, "keep_linebreaks": True, "encoding_errors": "replace"}
+    if builder == "json":
+        return {"encoding_errors": "replace"}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------- the hub
+
+
+class HubSource:
+    """A Hugging Face hub dataset, streamed split by split; the hub's own shard order makes it deterministic."""
+
+    kind = "hub"
+
+    def __init__(self, name: str, config: str | None, split: str, text_column: str) -> None:
+        self.name, self.config, self.split, self.text_column = name, config, split, text_column
+        self._stream: Any = None
+
+    def _open(self) -> Any:
+        if self._stream is None:
+            self._stream = _load_stream(self.name, f"dataset {self.name}", name=self.config, split=self.split)
+        return self._stream
+
+    def texts(self) -> Iterator[str]:
+        yield from _column_texts(self._open(), self.text_column, self.name)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "config": self.config, "split": self.split,
+                "text_column": self.text_column}
+
+    def size_hint(self) -> SizeHint:
+        splits = getattr(self._open().info, "splits", None) or {}
+        info = splits.get(self.split) if hasattr(splits, "get") else None
+        return SizeHint(documents=getattr(info, "num_examples", None) or None)
+
+
+# ---------------------------------------------------------------------------------------------- `datasets` glue
+
+
+def _load_stream(path: str, what: str, **kwargs: Any) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, streaming=True, **kwargs)
+    except Exception as exc:  # not-found, gated, offline, bad config: `datasets` raises many unrelated types
+        raise DataError(f"could not open {what}: {type(exc).__name__}: {_first_line(exc)}",
+                        "check the name, --config and --split (and the internet connection for hub datasets)"
+                        ) from None
+
+
+def _column_texts(stream: Any, column: str, spec: str) -> Iterator[str]:
+    names = stream.column_names
+    if names is not None:
+        _check_column(column, names, spec)
+        stream = stream.select_columns([column])
+    for rows in _read_batches(stream, spec):
+        if column not in rows:
+            _check_column(column, list(rows), spec)
+        yield from as_texts(rows[column], column)
+
+
+def _read_batches(stream: Any, spec: str) -> Iterator[dict[str, list]]:
+    """The stream's row batches; a file that cannot be parsed (or a dropped download) becomes a DataError."""
+    rows = iter(stream.iter(batch_size=_ITER_BATCH))
+    while True:
+        try:
+            batch = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # pyarrow, fsspec and HTTP errors have no common base class
+            raise DataError(f"{spec}: reading failed: {type(exc).__name__}: {_first_line(exc)}",
+                            "check that the files are valid (json: one object per line) and readable") from None
+        yield batch
+
+
+def _check_column(column: str, names: Iterable[str], spec: str) -> None:
+    names = list(names)
+    if column not in names:
+        raise DataError(f"{spec}: no text column '{column}' (columns: {', '.join(names) or 'none'})",
+                        "name the column holding the text with --text-column")
+
+
+def as_texts(values: Iterable[Any], column: str = "text") -> Iterator[str]:
+    """Values of a text column as strings: a missing value is an empty document; anything else is an error."""
+    for value in values:
+        if isinstance(value, str):
+            yield value
+        elif value is None:
+            yield ""
+        else:
+            raise DataError(f"column '{column}' holds {type(value).__name__} values, not text",
+                            "name the column holding the text with --text-column")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no details"
+
+
+class TextListSource:
+    """Documents already in memory (tests, benchmarks): no I/O, so only tokenizing and writing are measured."""
+
+    kind = "memory"
+
+    def __init__(self, texts: Iterable[str], name: str = "memory") -> None:
+        self._texts, self.name = list(texts), name
+
+    def texts(self) -> Iterator[str]:
+        return iter(self._texts)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "documents": len(self._texts)}
+
+    def size_hint(self) -> SizeHint:
+        return SizeHint(documents=len(self._texts))

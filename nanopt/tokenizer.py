@@ -1,0 +1,190 @@
+"""Tokenizers: load one by Hugging Face name or local file, or train a byte-level BPE; find its end-of-text token.
+
+Every dataset stores the exact tokenizer it was made with (tokenizer.json, Hugging Face `tokenizers` format) and the
+id of the token that separates documents. A trained tokenizer always ends documents with "<|endoftext|>"; for a
+loaded one the end-of-text token is read from its special tokens (or tokenizer_config.json beside a local file),
+and `eos_token` names it when that is ambiguous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanopt.errors import ConfigError, DataError
+
+ENDOFTEXT = "<|endoftext|>"
+MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge
+MAX_VOCAB_SIZE = 2**32
+
+# End-of-document tokens of well-known tokenizer families, most specific first. "<|end_of_text|>" comes before
+# "<|eot_id|>" in Llama 3 because pretraining separates documents, not chat turns.
+KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>",
+                    "<|eot_id|>", "<|end|>")
+
+
+@dataclass
+class NamedTokenizer:
+    """A tokenizer with where it came from and which token ends a document."""
+
+    tokenizer: Any  # tokenizers.Tokenizer
+    source: str  # a Hugging Face name, a local path, or "trained"
+    eos_token: str
+    eos_id: int
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. what a trained tokenizer was trained on
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "model": type(self.tokenizer.model).__name__, "vocab_size": self.vocab_size,
+                "eos_token": self.eos_token, "eos_id": self.eos_id, **self.extra}
+
+
+def set_threads(threads: int | None) -> None:
+    """Cap the tokenizers library's worker threads. It reads this once, at its first parallel call in a process."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads: must be at least 1, got {threads}", "leave it out to use every core")
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+
+def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedTokenizer:
+    """A local tokenizer.json (or a directory holding one, e.g. a dataset dir), else a Hugging Face hub name."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"{name_or_path}: directory has no tokenizer.json",
+                            "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
+    if path.is_file():
+        tokenizer = _from_file(path)
+        config_eos = _eos_from_tokenizer_config(path.parent / "tokenizer_config.json")
+        source = str(path)
+    elif name_or_path.endswith(".json"):
+        raise DataError(f"{name_or_path}: tokenizer file not found", "check the path")
+    else:
+        tokenizer = _from_hub(name_or_path)
+        config_eos = None
+        source = name_or_path
+    _disable_padding_and_truncation(tokenizer)
+    eos, eos_id = find_eos(tokenizer, source, requested=eos_token, suggested=config_eos)
+    return NamedTokenizer(tokenizer, source, eos, eos_id)
+
+
+def _from_file(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception for any malformed file
+        raise DataError(f"{path}: not a valid tokenizer.json ({exc})",
+                        "pass a file saved by Hugging Face tokenizers (tokenizer.json)") from None
+
+
+def _from_hub(name: str) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_pretrained(name)
+    except Exception as exc:  # network, authentication and missing-repo errors all surface as Exception here
+        raise DataError(f"could not load tokenizer '{name}' from the Hugging Face hub ({exc})",
+                        "check the name (e.g. gpt2) and the internet connection, or pass a local tokenizer.json"
+                        ) from None
+
+
+def _disable_padding_and_truncation(tokenizer: Any) -> None:
+    # Some published tokenizer.json files enable these for fine-tuning; pretokenizing must keep every token.
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+
+
+def _eos_from_tokenizer_config(path: Path) -> str | None:
+    """The eos_token of a transformers tokenizer_config.json beside the tokenizer, if there is one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def find_eos(tokenizer: Any, source: str, requested: str | None = None,
+             suggested: str | None = None) -> tuple[str, int]:
+    """The end-of-text token and its id: `requested` if given, else `suggested`, else a known special token."""
+    if requested is not None:
+        token_id = tokenizer.token_to_id(requested)
+        if token_id is None:
+            raise DataError(f"--eos-token {requested!r} is not in the vocabulary of tokenizer {source}",
+                            f"special tokens it has: {_special_tokens(tokenizer)[:12]}")
+        return requested, token_id
+    specials = _special_tokens(tokenizer)
+    candidates = ([suggested] if suggested else []) + list(KNOWN_EOS_TOKENS)
+    for token in candidates:
+        if token in specials:
+            return token, tokenizer.token_to_id(token)
+    raise DataError(f"cannot tell which token ends a document in tokenizer {source} "
+                    f"(special tokens: {specials[:12] or 'none'})",
+                    "name it with --eos-token TOKEN, e.g. --eos-token '</s>'")
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    added = tokenizer.get_added_tokens_decoder()
+    return [added[i].content for i in sorted(added) if added[i].special]
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ConfigError(f"--vocab-size {vocab_size} is out of range",
+                          f"use {MIN_VOCAB_SIZE} to {MAX_VOCAB_SIZE}; e.g. 4096 for a CPU demo, 32768-65536 "
+                          "for a real corpus (the token dtype stays uint16 up to 65536)")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> NamedTokenizer:
+    """Train a byte-level BPE (GPT-2 style: any byte sequence is encodable, nothing is unknown) on `texts`.
+
+    The vocabulary may come out smaller than asked when the sample has too few distinct pairs.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[ENDOFTEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    sample = _CountingIterator(texts)
+    tokenizer.train_from_iterator(sample, trainer)
+    if sample.documents == 0:
+        raise DataError("no documents to train the tokenizer on", "check the source (is it empty?)")
+    return NamedTokenizer(tokenizer, "trained", ENDOFTEXT, tokenizer.token_to_id(ENDOFTEXT),
+                          {"trained_on": {"documents": sample.documents, "bytes": sample.bytes},
+                           "requested_vocab_size": vocab_size})
+
+
+class _CountingIterator:
+    """Passes texts through while counting them, to record what a trained tokenizer saw."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self._texts = iter(texts)
+        self.documents = 0
+        self.bytes = 0
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> str:
+        text = next(self._texts)
+        self.documents += 1
+        self.bytes += len(text.encode("utf-8"))
+        return text
+
+
+def save_tokenizer(named: NamedTokenizer, path: Path) -> None:
+    named.tokenizer.save(str(path))
