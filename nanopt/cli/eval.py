@@ -1,9 +1,181 @@
-"""`nanopt eval`."""
+"""`nanopt eval`: test loss, perplexity, bits per byte and samples for one run, or a comparison of several."""
 
-from nanopt.cli.app import app, not_built
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+from nanopt.cli import format as fmt
+from nanopt.cli.app import app, console, print_json
+
+EPILOG = """
+The test split is never read by training (train) or its in-loop evaluation (val). By default the first
+1,048,576 tokens of it are evaluated (all of it if smaller), in the run's seq_len windows; --tokens changes that.
+Bits per byte = loss / ln 2 / (bytes per token of the test split): it compares runs with different tokenizers.
+
+Results go to checkpoints/step-N/eval.json and runs/NAME/eval.json. With several runs, an eval.json made for the
+same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn.
+
+Examples:
+
+  nanopt eval runs/demo
+
+  nanopt eval runs/demo --checkpoint best --prompt 'import os' --prompt 'Once upon a time' --seed 1
+
+  nanopt eval runs/gpt2-small --data data/fineweb-edu-v2 --tokens all --no-samples --json
+
+  nanopt eval runs/a runs/b runs/c --price-per-hour 2.99      # a table, best test loss first
+
+  nanopt eval runs/llama-1b --nproc-per-node 8                 # every rank evaluates a part
+"""
+
+TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
+               "whole test split if smaller).")
 
 
-@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def eval_command() -> None:
-    """Not built yet in this version."""
-    not_built("eval")
+@app.command("eval", epilog=EPILOG)
+def eval_command(
+    run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to compare."),
+    checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
+    data: Path | None = typer.Option(None, "--data", help="Evaluate on this dataset's test split instead of the "
+                                                          "run's; it must use the run's tokenizer."),
+    tokens: str = typer.Option("1048576", "--tokens", help=TOKENS_HELP),
+    micro_batch_size: int | None = typer.Option(None, "--micro-batch-size", min=1, help="Sequences per forward "
+                                                "pass (default: the run's micro_batch_size)."),
+    prompts: list[str] | None = typer.Option(None, "--prompt", help="Prompt to continue (repeatable; default: an "
+                                             "empty prompt (a new document), 'def' and 'The')."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
+    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample from the k most likely tokens; 0: all."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed: the same seed gives the same text."),
+    no_samples: bool = typer.Option(False, "--no-samples", help="Skip generation."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", min=0.0, help="USD per GPU-hour, for "
+                                                "the training cost: price x GPUs (ranks) x training hours."),
+    fresh: bool = typer.Option(False, "--fresh", help="With several runs, evaluate each even if an eval.json "
+                                                      "for the same checkpoint and settings exists."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 starts "
+                                                                   "torchrun."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
+    if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        from nanopt.cli.train import _exec_torchrun
+
+        _exec_torchrun(nproc_per_node, 1, 0, None)
+    from nanopt import compare
+    from nanopt.evaluation import DEFAULT_PROMPTS, EvalOptions, SampleSettings, evaluate_runs
+
+    samples = None if no_samples else SampleSettings(
+        prompts=tuple(prompts) if prompts else DEFAULT_PROMPTS, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k or None, seed=seed)
+    opts = EvalOptions(checkpoint=checkpoint, data=data, tokens=_token_count(tokens),
+                       micro_batch_size=micro_batch_size, samples=samples, reuse=len(run_dirs) > 1 and not fresh)
+    is_main = os.environ.get("RANK", "0") == "0"
+    results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
+    if not is_main:
+        return
+    rows = compare.ranked(results, price_per_hour)
+    if as_json:
+        print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows)})
+    elif len(rows) == 1:
+        _render_one(rows[0])
+    else:
+        _render_comparison(rows, compare.notes(rows))
+
+
+def _token_count(text: str) -> int | None:
+    from nanopt.data.budget import parse_token_count
+
+    return None if text.strip().lower() == "all" else parse_token_count(text, "--tokens")
+
+
+class _RichProgress:
+    """A transient progress bar on stderr, so --json stdout stays clean."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def start(self, description: str, total_batches: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("batches"), TimeRemainingColumn(), console=console(stderr=True),
+                            transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task(f"eval {escape(description)}", total=total_batches)
+
+    def advance(self) -> None:
+        self.bar.advance(self.task)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+
+
+def _render_one(r: dict[str, Any]) -> None:
+    out = console()
+    title = f"nanopt eval: {r['run']} at step {r['step']:,}" + (" (reused eval.json)" if r.get("reused") else "")
+    table = Table(title=escape(title), show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    rows = [
+        ("checkpoint", r["checkpoint"]),
+        ("test split", f"{r['dataset']}: {r['tokens']:,} tokens, {r['bytes_per_token']:.3f} bytes per token"),
+        ("test loss", f"{r['test_loss']:.4f} nats per token"),
+        ("perplexity", f"{r['perplexity']:.2f}"),
+        ("bits per byte", f"{r['bits_per_byte']:.4f}"),
+        ("parameters", f"{fmt.exact(r['parameters'])} ({fmt.count(r['parameters'])})"),
+        ("tokens trained", f"{fmt.count(r['tokens_trained'])} in batches of {fmt.exact(r['global_batch_tokens'])}"),
+        ("training time", _training_time(r)),
+        ("tokenizer", r["tokenizer_check"]),
+        ("evaluated on", f"{r['world_size']} x {r['device']} {r['precision']} in {fmt.duration(r['eval_seconds'])}"),
+    ]
+    for label, value in rows:
+        table.add_row(label, escape(value))
+    out.print(table)
+    _render_samples(r)
+
+
+def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    out = console()
+    table = Table(title="nanopt eval: runs by test loss", title_justify="left")
+    for name in ("#", "run", "step", "params", "tokens", "global batch", "test loss", "ppl", "bits/byte",
+                 "train time", "GPU-h", "cost"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for rank, r in enumerate(rows, 1):
+        table.add_row(str(rank), escape(r["run"]), f"{r['step']:,}", fmt.count(r["parameters"]),
+                      fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]), f"{r['test_loss']:.4f}",
+                      f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}", fmt.duration(r["train_seconds"]),
+                      "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}", fmt.money(r["cost_usd"]))
+    out.print(table)
+    for note in notes:
+        out.print(f"note: {escape(note)}")
+    for r in rows:
+        _render_samples(r)
+
+
+def _training_time(r: dict[str, Any]) -> str:
+    if r["train_seconds"] is None:
+        return "- (no step times in metrics.jsonl)"
+    text = f"{fmt.duration(r['train_seconds'])} of steps on {r['train_world_size']} rank(s)"
+    return text + (f", {fmt.money(r['cost_usd'])}" if r.get("cost_usd") is not None else "")
+
+
+def _render_samples(r: dict[str, Any]) -> None:
+    out = console()
+    for sample in r["samples"]:
+        prompt = sample["prompt"]
+        title = f"{r['run']}: {prompt!r}" if prompt else f"{r['run']}: (a new document)"
+        ending = "[EOS]" if sample["ended"] else "..."
+        body = f"[bold]{escape(prompt)}[/]{escape(sample['completion'])}[dim]{ending}[/]"
+        out.print(Panel(body, title=escape(title), title_align="left", expand=False))

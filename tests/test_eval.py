@@ -1,0 +1,234 @@
+"""`nanopt eval` on a tiny trained run: the test loss against a direct computation, bits per byte, reproducible
+samples, the comparison table, other datasets and their tokenizers, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from clihelp import assert_user_error, run_cli
+from trainhelp import make_run
+
+from nanopt.compare import ranked
+from nanopt.evaluation import training_seconds
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict[str, Path]:
+    """`strong`: trained 12 steps with checkpoints at 6 and 12. `weak`: the same run as if it had stopped at step 6
+    (a copy without the step-12 checkpoint), so it has a higher test loss."""
+    root = tmp_path_factory.mktemp("runs")
+    strong = make_run(root, tiny_dataset, "strong", max_steps=12, eval_interval=0, checkpoint_interval=6)
+    result = run_cli("train", strong, "--no-live", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weak = shutil.copytree(strong, root / "weak")
+    shutil.rmtree(weak / "checkpoints" / "step-000012")
+    return {"strong": strong, "weak": weak}
+
+
+def eval_json(*args: object, timeout: float = 120) -> dict:
+    """`nanopt eval ... --json` in a subprocess, exactly as a user runs it."""
+    result = run_cli("eval", *args, "--json", timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """The same CLI entry point run in this process: no torch import per call, so many cases stay fast."""
+    from nanopt.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(*args: object) -> SimpleNamespace:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+def in_process_json(cli, *args: object) -> dict:
+    result = cli("eval", *args, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+# --------------------------------------------------------------------------------------------------- numbers
+
+
+def direct_test_loss(run: Path, dataset: Path, step_dir: str, tokens: int) -> float:
+    """Mean cross-entropy of the checkpoint over the first `tokens` targets of the test split, computed here from
+    the shard files, the weights file and the model's logits; nothing from nanopt's evaluation code."""
+    from safetensors.torch import load_file
+
+    from nanopt.config import ModelConfig
+    from nanopt.model import Transformer
+
+    ckpt = run / "checkpoints" / step_dir
+    meta = json.loads((ckpt / "meta.json").read_text())
+    model = Transformer(ModelConfig(**meta["config"]["model"]))
+    missing, unexpected = model.load_state_dict(load_file(ckpt / "model.safetensors"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is stored once
+    model.eval()
+    data_meta = json.loads((dataset / "meta.json").read_text())
+    stream = np.concatenate([np.load(dataset / s["file"]) for s in data_meta["splits"]["test"]["shards"]])
+    seq_len = meta["config"]["model"]["max_position_embeddings"]
+    starts = range(0, tokens, seq_len)
+    inputs = torch.tensor(np.stack([stream[s:s + seq_len] for s in starts]).astype(np.int64))
+    targets = torch.tensor(np.stack([stream[s + 1:s + seq_len + 1] for s in starts]).astype(np.int64))
+    with torch.no_grad():
+        logits = model(inputs).double()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+
+
+def test_test_loss_matches_a_direct_computation_and_is_recorded(runs, tiny_dataset: Path, cli):
+    run = runs["strong"]
+    result = in_process_json(cli, run, "--tokens", "2048", "--no-samples")
+    assert result["split"] == "test" and result["step"] == 12 and result["tokens"] == 2048
+    assert abs(result["test_loss"] - direct_test_loss(run, tiny_dataset, "step-000012", 2048)) < 1e-5
+    assert result["perplexity"] == pytest.approx(math.exp(result["test_loss"]), rel=1e-12)
+    test_split = json.loads((tiny_dataset / "meta.json").read_text())["splits"]["test"]
+    bytes_per_token = test_split["bytes"] / test_split["tokens"]
+    assert result["bits_per_byte"] == pytest.approx(result["test_loss"] / math.log(2) / bytes_per_token, rel=1e-12)
+    assert result["parameters"] > 0 and result["tokens_trained"] == 12 * 256 and result["global_batch_tokens"] == 256
+    assert result["train_seconds"] > 0
+    beside_checkpoint = json.loads((run / "checkpoints" / "step-000012" / "eval.json").read_text())
+    assert beside_checkpoint == json.loads((run / "eval.json").read_text())
+    assert beside_checkpoint.items() <= result.items()  # --json adds the cost columns of the comparison
+    assert not list(run.glob("*.tmp")) and not list((run / "checkpoints" / "step-000012").glob("*.tmp"))
+
+
+def test_an_older_checkpoint_and_two_ranks(runs, tiny_dataset: Path, cli):
+    # 2048 tokens = 16 windows: 2 ranks x 8 windows read the same windows as 1 rank x 16.
+    run = runs["strong"]
+    older = in_process_json(cli, run, "--checkpoint", "step-000006", "--tokens", "2048", "--no-samples")
+    assert older["step"] == 6
+    assert abs(older["test_loss"] - direct_test_loss(run, tiny_dataset, "step-000006", 2048)) < 1e-5
+    two_ranks = eval_json(run, "--checkpoint", "step-000006", "--tokens", "2048", "--no-samples",
+                          "--nproc-per-node", "2")
+    assert two_ranks["world_size"] == 2 and two_ranks["tokens"] == 2048
+    assert two_ranks["test_loss"] == pytest.approx(older["test_loss"], abs=1e-6)
+    assert json.loads((run / "eval.json").read_text())["step"] == 6  # the run's latest evaluation
+
+
+def test_default_slice_is_the_whole_test_split_when_smaller(runs, tiny_dataset: Path, cli):
+    split_tokens = json.loads((tiny_dataset / "meta.json").read_text())["splits"]["test"]["tokens"]
+    assert split_tokens < 1_048_576
+    result = in_process_json(cli, runs["weak"], "--no-samples")
+    assert result["settings"]["max_tokens"] == 1_048_576
+    tokens_per_batch = 4 * 32  # micro-batch 4 x seq_len 32
+    assert result["tokens"] == (split_tokens - 1) // tokens_per_batch * tokens_per_batch
+
+
+# -------------------------------------------------------------------------------------------------- samples
+
+
+def test_samples_are_reproducible_with_a_seed(runs, cli):
+    args = (runs["strong"], "--tokens", "128", "--prompt", "The model", "--prompt", "", "--max-new-tokens", "12",
+            "--temperature", "1.0", "--seed", "5")
+    first = eval_json(*args)["samples"]  # another process: nothing but the seed carries over
+    assert [s["prompt"] for s in first] == ["The model", ""]
+    assert all(0 < s["new_tokens"] <= 12 and s["completion"] for s in first)
+    assert in_process_json(cli, *args)["samples"] == first
+    assert in_process_json(cli, *args[:-1], "9")["samples"] != first
+
+
+def test_samples_are_shown_in_panels(runs, cli):
+    result = cli("eval", runs["strong"], "--tokens", "128", "--max-new-tokens", "8", "--seed", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test loss" in result.stdout and "bits per byte" in result.stdout
+    for title in ("(a new document)", "'def'", "'The'"):
+        assert title in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------- comparison
+
+
+def test_comparison_is_sorted_by_test_loss_and_reuses_evaluations(runs, cli):
+    strong, weak = str(runs["strong"]), str(runs["weak"])
+    args = ("--tokens", "1024", "--no-samples", "--price-per-hour", "2.5")
+    first = in_process_json(cli, weak, strong, *args)
+    assert [row["run"] for row in first["runs"]] == [strong, weak]
+    assert first["runs"][0]["test_loss"] < first["runs"][1]["test_loss"]
+    for row in first["runs"]:
+        assert row["cost_usd"] == pytest.approx(row["gpu_hours"] * 2.5)
+        assert row["gpu_hours"] == pytest.approx(row["train_seconds"] / 3600)
+    again = in_process_json(cli, weak, strong, *args)
+    assert all(row.get("reused") for row in again["runs"])
+    assert [r["test_loss"] for r in again["runs"]] == [r["test_loss"] for r in first["runs"]]
+    fresh = in_process_json(cli, weak, strong, *args, "--fresh")
+    assert not any(row.get("reused") for row in fresh["runs"])
+
+    table = cli("eval", weak, strong, *args)
+    assert table.returncode == 0, table.stderr[-3000:]
+    rows = [line for line in table.stdout.splitlines() if strong in line or weak in line]
+    assert len(rows) == 2 and strong in rows[0] and weak in rows[1]
+    assert "test loss" in table.stdout and "bits/byte" in table.stdout and "$" in rows[0]
+
+
+def test_training_seconds_sums_logged_step_times_and_restarts_at_a_resume():
+    records = [
+        {"kind": "train", "step": 10, "step_time_s": 1.0},
+        {"kind": "eval", "step": 10, "val_loss": 3.0},
+        {"kind": "train", "step": 20, "step_time_s": 2.0},
+        {"kind": "event", "step": 25, "event": "resume"},  # steps 21..25 ran in a killed session, unlogged
+        {"kind": "train", "step": 30, "step_time_s": 3.0},
+        {"kind": "train", "step": 40, "step_time_s": 4.0},
+    ]
+    assert training_seconds(records, 40) == 10 * 1 + 10 * 2 + 5 * 3 + 10 * 4
+    assert training_seconds(records, 30) == 10 * 1 + 10 * 2 + 5 * 3
+    assert training_seconds([{"kind": "eval", "step": 5}], 5) is None
+
+
+def test_a_non_finite_loss_ranks_last():
+    rows = ranked([{"run": "a", "test_loss": float("nan")}, {"run": "b", "test_loss": 4.0},
+                   {"run": "c", "test_loss": 3.0}])
+    assert [r["run"] for r in rows] == ["c", "b", "a"]
+
+
+# --------------------------------------------------------------------------------------------- other datasets
+
+
+def test_another_dataset_with_the_same_tokenizer_is_accepted(runs, tiny_dataset: Path, tmp_path: Path, cli):
+    copy = shutil.copytree(tiny_dataset, tmp_path / "copy")
+    result = in_process_json(cli, runs["strong"], "--data", copy, "--tokens", "1024", "--no-samples")
+    assert result["dataset"] == str(copy) and result["tokenizer_check"].startswith("same tokenizer")
+
+
+def test_a_dataset_with_another_tokenizer_is_refused(runs, tiny_corpus: Path, tmp_path: Path, cli):
+    from nanopt.data.pipeline import build_dataset
+
+    # Same vocabulary size, trained on less text: the ids mean other strings, which only the hash can tell.
+    other = tmp_path / "other"
+    build_dataset(other, str(tiny_corpus), vocab_size=512, val_fraction=0.2, test_fraction=0.2,
+                  tokenizer_sample_bytes=20_000)
+    assert json.loads((other / "meta.json").read_text())["vocab_size"] == 512
+    result = cli("eval", runs["strong"], "--data", other, "--no-samples")
+    assert_user_error(result, "another tokenizer", "tokenizer.json sha256", "--tokenizer")
+    assert not (other / "eval.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def test_user_errors_exit_2_with_a_hint(runs, tiny_dataset: Path, tmp_path: Path, cli):
+    untrained = make_run(tmp_path, tiny_dataset, "untrained")
+    assert_user_error(cli("eval", untrained), "no complete checkpoint", "nanopt train")
+    assert_user_error(cli("eval", tmp_path / "missing"), "run directory not found")
+    assert_user_error(cli("eval", runs["strong"], "--checkpoint", "step-000999"), "does not exist")
+    assert_user_error(cli("eval", runs["strong"], "--micro-batch-size", "100000", "--no-samples"),
+                      "split 'test'", "one evaluation batch per rank")
+    assert_user_error(cli("eval", runs["strong"], "--tokens", "lots"), "--tokens")
