@@ -1,9 +1,71 @@
-"""`nanopt export`."""
+"""`nanopt export`: a checkpoint as a Hugging Face transformers directory (model, config and tokenizer)."""
 
-from nanopt.cli.app import app, not_built
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from nanopt.cli import format as fmt
+from nanopt.cli.app import app, console, print_json
+
+EPILOG = """
+The model is rebuilt from the checkpoint's own config snapshot; the tokenizer is the tokenizer.json of the run's
+dataset (or of --data, which must use the same tokenizer). llama runs become LlamaForCausalLM, gpt2 runs
+GPT2LMHeadModel, with fp32 weights.
+
+Examples:
+
+  nanopt export runs/demo                                   # writes runs/demo/export
+
+  nanopt export runs/gpt2-small --checkpoint best --out exports/gpt2-small --force
+
+  nanopt export runs/demo --checkpoint runs/demo/checkpoints/step-000600 --out /tmp/demo-600 --json
+"""
 
 
-@app.command("export", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def export_command() -> None:
-    """Not built yet in this version."""
-    not_built("export")
+@app.command("export", epilog=EPILOG)
+def export_command(
+    run_dir: Path = typer.Argument(..., help="Run directory with checkpoints."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Directory to write (default: RUN_DIR/export)."),
+    checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
+    data: Path | None = typer.Option(None, "--data", help="Take the tokenizer from this dataset instead of the "
+                                                          "run's; it must be the same tokenizer."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+) -> None:
+    """Export a checkpoint to a transformers directory that AutoModelForCausalLM and AutoTokenizer load."""
+    from nanopt.checkpoint import load_model_state
+    from nanopt.evaluation import open_trained
+    from nanopt.export import export_hf
+
+    trained = open_trained(run_dir, checkpoint, data)
+    written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.dataset.tokenizer_path,
+                        out if out is not None else run_dir / "export", eos_id=trained.dataset.eos_id, force=force)
+    files = {p.name: p.stat().st_size for p in sorted(written.iterdir()) if p.is_file()}
+    if as_json:
+        print_json({"out": str(written), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
+                    "architecture": trained.run.model.architecture, "files": files})
+        return
+    _render(written, trained.checkpoint.path, files)
+
+
+def _render(written: Path, checkpoint: Path, files: dict[str, int]) -> None:
+    out = console()
+    table = Table(title=escape(f"nanopt export: {written}"), caption=escape(f"from {checkpoint}"),
+                  title_justify="left", caption_justify="left")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for name, size in files.items():
+        table.add_row(escape(name), fmt.size(size))
+    out.print(table)
+    out.print("Load it with transformers:\n")
+    out.print(escape(_snippet(written)), soft_wrap=True)
+
+
+def _snippet(directory: Path) -> str:
+    return (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"model = AutoModelForCausalLM.from_pretrained({str(directory)!r})\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({str(directory)!r})")

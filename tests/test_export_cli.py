@@ -1,0 +1,48 @@
+"""`nanopt export` on a trained run: transformers loads the directory and computes nanopt's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from clihelp import run_cli
+from trainhelp import make_run
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_dataset: Path):
+    from tokenizers import Tokenizer
+
+    from nanopt.checkpoint import load_model_state, resolve
+    from nanopt.config import model_config_from_snapshot
+    from nanopt.model import Transformer
+
+    run = make_run(tmp_path, tiny_dataset, max_steps=4, eval_interval=0, checkpoint_interval=4)
+    trained = run_cli("train", run, "--no-live", timeout=120)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    out = tmp_path / "hf"
+    result = run_cli("export", run, "--out", out, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "AutoModelForCausalLM.from_pretrained" in result.stdout and "config.json" in result.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "The model reads the next token near Kalomi street."
+    ids = hf_tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == Tokenizer.from_file(str(tiny_dataset / "tokenizer.json")).encode(text).ids
+
+    ckpt = resolve(run, "latest")
+    model = Transformer(model_config_from_snapshot(ckpt.meta["config"]["model"]))
+    model.load_state_dict(load_model_state(ckpt))
+    with torch.no_grad():
+        diff = (hf_model(ids).logits - model.eval()(ids)).abs().max().item()
+    assert diff < 1e-4
+
+    forced = run_cli("export", run, "--out", out, "--force", "--json")  # replaces the export above
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    summary = json.loads(forced.stdout)
+    assert summary["step"] == 4 and summary["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size
