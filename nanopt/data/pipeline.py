@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +77,18 @@ class TokenizeSettings:
             raise ConfigError("--eos-token applies to a loaded --tokenizer only",
                               "a trained tokenizer always ends documents with <|endoftext|>")
 
-    def fractions(self, source: Source) -> tuple[float, float]:
-        default = BUILTIN_HELD_OUT_FRACTION if source.kind == "builtin" else HELD_OUT_FRACTION
-        val = default if self.val_fraction is None else self.val_fraction
-        test = default if self.test_fraction is None else self.test_fraction
-        return val, test
+    def resolved(self, source: Source) -> TokenizeSettings:
+        """These settings with the defaults that depend on the source filled in (as recorded in meta.json)."""
+        held_out = BUILTIN_HELD_OUT_FRACTION if source.kind == "builtin" else HELD_OUT_FRACTION
+        vocab = self.vocab_size
+        if self.tokenizer is None and vocab is None:
+            if source.kind != "builtin":
+                raise ConfigError("no tokenizer given", "pass --tokenizer NAME_OR_PATH (e.g. gpt2) or --vocab-size "
+                                  "N to train a byte-level BPE on this corpus (e.g. 32768)")
+            vocab = BUILTIN_VOCAB_SIZE
+        return replace(self, vocab_size=vocab,
+                       val_fraction=held_out if self.val_fraction is None else self.val_fraction,
+                       test_fraction=held_out if self.test_fraction is None else self.test_fraction)
 
 
 class ProgressReporter:
@@ -100,12 +107,13 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
 
     Keyword settings are the fields of TokenizeSettings. Returns the summary (also what `--json` prints).
     """
-    opts = TokenizeSettings(**settings)
-    opts.validate()
+    given = TokenizeSettings(**settings)
+    given.validate()
     out = Path(out)
-    check_output(out, opts.force)
-    src = source if hasattr(source, "texts") else open_source(source, opts.config, opts.split, opts.text_column,
-                                                                opts.sample_by)
+    check_output(out, given.force)
+    src = source if hasattr(source, "texts") else open_source(source, given.config, given.split,
+                                                                given.text_column, given.sample_by)
+    opts = given.resolved(src)
     reporter = progress or ProgressReporter()
     started = time.monotonic()
     with staging_dir(out) as root:
@@ -114,7 +122,7 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
         run.tokenize()
         save_tokenizer(named, root / "tokenizer.json")
         seconds = time.monotonic() - started
-        meta = write_meta(root, named, run.split_dicts(), src.describe(), _settings_record(opts, src), run.extra(),
+        meta = write_meta(root, named, run.split_dicts(), src.describe(), _settings_record(opts), run.extra(),
                           seconds)
     return _summary(out, meta, seconds, run)
 
@@ -123,19 +131,13 @@ def _prepare_tokenizer(src: Source, opts: TokenizeSettings, reporter: ProgressRe
     if opts.tokenizer is not None:
         reporter.phase(f"loading tokenizer {opts.tokenizer}")
         return load_tokenizer(opts.tokenizer, opts.eos_token)
-    vocab = opts.vocab_size
-    if vocab is None:
-        if src.kind != "builtin":
-            raise ConfigError("no tokenizer given", "pass --tokenizer NAME_OR_PATH (e.g. gpt2) or --vocab-size N "
-                              "to train a byte-level BPE on this corpus (e.g. 32768)")
-        vocab = BUILTIN_VOCAB_SIZE
-    reporter.phase(f"training a {vocab}-token byte-level BPE")
-    return train_bpe(_tokenizer_sample(src, opts, reporter), vocab)
+    reporter.phase(f"training a {opts.vocab_size}-token byte-level BPE")
+    return train_bpe(_tokenizer_sample(src, opts, reporter), opts.vocab_size)
 
 
 def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> Iterator[str]:
     """Training-split documents from the start of the source, up to the byte bound (val/test stay unseen)."""
-    val, test = opts.fractions(src)
+    val, test = opts.val_fraction, opts.test_fraction
     taken = documents = 0
     known = src.size_hint().bytes
     expected = min(opts.tokenizer_sample_bytes, known) if known else opts.tokenizer_sample_bytes
@@ -170,8 +172,8 @@ def _is_empty(text: str) -> bool:
 
 
 def _clean(text: str) -> tuple[str, bytes]:
-    """The text and its UTF-8 bytes. Lone surrogates (from JSON "\\ud800" escapes) cannot be encoded or tokenized;
-    they become U+FFFD, as undecodable bytes in files do."""
+    """The text and its UTF-8 bytes. A Python string can hold lone surrogates (e.g. decoded with "surrogateescape"),
+    which can be neither encoded nor tokenized; they become U+FFFD, as undecodable bytes in files do."""
     try:
         return text, text.encode("utf-8")
     except UnicodeEncodeError:
@@ -192,7 +194,6 @@ class _Run:
     def __init__(self, src: Source, named: NamedTokenizer, root: Path, opts: TokenizeSettings,
                  reporter: ProgressReporter) -> None:
         self.src, self.named, self.opts, self.reporter = src, named, opts, reporter
-        self.fractions = opts.fractions(src)
         self.dtype = token_dtype(named.vocab_size)
         self.writers = {s: SplitWriter(root, s, self.dtype, opts.shard_tokens) for s in SPLITS}
         self.stats = {s: SplitStats() for s in SPLITS}
@@ -220,7 +221,7 @@ class _Run:
                             "check the source path or name, --split and --text-column")
 
     def _batches(self) -> Iterator[_Batch]:
-        val, test = self.fractions
+        val, test = self.opts.val_fraction, self.opts.test_fraction
         batch, batch_bytes = _Batch(), 0
         for raw in self.src.texts():
             self.read_documents += 1
@@ -325,10 +326,9 @@ def _encode_ahead(batches: Iterator[_Batch], tokenizer: Any) -> Iterator[tuple[_
                 future.cancel()
 
 
-def _settings_record(opts: TokenizeSettings, src: Source) -> dict[str, Any]:
-    val, test = opts.fractions(src)
+def _settings_record(opts: TokenizeSettings) -> dict[str, Any]:
     record = {k: v for k, v in asdict(opts).items() if k != "force"}
-    return {**record, "val_fraction": val, "test_fraction": test, "split_rule": "blake2b-64 of UTF-8 text"}
+    return {**record, "split_rule": "blake2b-64 of the UTF-8 text"}
 
 
 def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run) -> dict[str, Any]:

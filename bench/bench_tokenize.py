@@ -1,0 +1,197 @@
+"""Benchmark `nanopt tokenize`: throughput against the tokenizers library itself, and peak memory against corpus size.
+
+Throughput, over the same in-memory documents (the built-in corpus) and the same trained 4096-token BPE:
+  (a) a plain single-core loop of `Tokenizer.encode`,
+  (b) the library's own `encode_batch` (one call over every document, and in batches of the pipeline's size;
+      the faster of the two is the reference), and `encode_batch_fast` for context,
+  (c) nanopt's pipeline from an in-memory source: splitting, encoding, writing shards, statistics.
+Target: (c) >= 0.9 x (b).
+
+Peak memory: a fresh subprocess per configuration runs the real pipeline on the built-in corpus repeated 1x and 5x
+and reports its own peak RSS (getrusage). Target: 5x within 20% of 1x, i.e. memory does not grow with the corpus.
+
+    python bench/bench_tokenize.py            # about two minutes on 2 cores
+    python bench/bench_tokenize.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPEATS = (1, 5)
+
+
+def stdlib_documents() -> list[str]:
+    from nanopt.data.sources import StdlibSource
+
+    return [t for t in StdlibSource().texts() if t and not t.isspace()]
+
+
+def train_tokenizer(docs: list[str], path: Path) -> Any:
+    from nanopt.tokenizer import save_tokenizer, train_bpe
+
+    named = train_bpe(docs, 4096)
+    save_tokenizer(named, path)
+    return named.tokenizer
+
+
+def best_rates(methods: dict[str, Callable[[], int]], rounds: int) -> dict[str, float]:
+    """Best tokens per second of each method over `rounds` interleaved rounds: other load on a shared machine only
+    ever slows a run down, so the best round is the closest to the method's own speed."""
+    best = dict.fromkeys(methods, 0.0)
+    for _ in range(rounds):
+        for name, method in methods.items():
+            start = time.perf_counter()
+            tokens = method()
+            best[name] = max(best[name], tokens / (time.perf_counter() - start))
+    return best
+
+
+def chunks(docs: list[str], size: int) -> Iterator[list[str]]:
+    for i in range(0, len(docs), size):
+        yield docs[i:i + size]
+
+
+def throughput(docs: list[str], tokenizer: Any, tokenizer_path: Path, batch_size: int,
+               rounds: int) -> dict[str, Any]:
+    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.sources import TextListSource
+
+    def pipeline() -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = build_dataset(Path(tmp) / "ds", TextListSource(docs), tokenizer=str(tokenizer_path),
+                                    batch_size=batch_size)
+        return summary["tokens"] - summary["documents"]  # the EOS separators are not encoder output
+
+    methods = {
+        "single_core_encode": lambda: sum(len(tokenizer.encode(d, add_special_tokens=False).ids) for d in docs),
+        "encode_batch_one_call": lambda: sum(len(e.ids) for e in tokenizer.encode_batch(docs,
+                                                                                      add_special_tokens=False)),
+        "encode_batch_batched": lambda: sum(len(e.ids) for c in chunks(docs, batch_size)
+                                            for e in tokenizer.encode_batch(c, add_special_tokens=False)),
+        "encode_batch_fast_batched": lambda: sum(len(e.ids) for c in chunks(docs, batch_size)
+                                                 for e in tokenizer.encode_batch_fast(c, add_special_tokens=False)),
+        "nanopt_pipeline": pipeline,
+    }
+    tokens = methods["encode_batch_batched"]()  # also starts the thread pool outside the timings
+    rates = best_rates(methods, rounds)
+    nanopt, reference = rates["nanopt_pipeline"], max(rates["encode_batch_one_call"], rates["encode_batch_batched"])
+    return {"documents": len(docs), "tokens": tokens, "batch_size": batch_size, "rounds": rounds,
+            "tokens_per_second": rates, "ratio_vs_single_core": nanopt / rates["single_core_encode"],
+            "ratio_vs_encode_batch": nanopt / reference,
+            "ratio_vs_encode_batch_fast": nanopt / rates["encode_batch_fast_batched"]}
+
+
+class RepeatedStdlib:
+    """The built-in corpus, `times` times over: a corpus that grows while everything else stays the same."""
+
+    kind = "builtin"
+
+    def __init__(self, times: int) -> None:
+        from nanopt.data.sources import StdlibSource
+
+        self.inner, self.times = StdlibSource(), times
+
+    def texts(self) -> Iterator[str]:
+        for _ in range(self.times):
+            yield from self.inner.texts()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.inner.describe(), "repeated": self.times}
+
+    def size_hint(self) -> Any:
+        from nanopt.data.sources import SizeHint
+
+        hint = self.inner.size_hint()
+        return SizeHint(bytes=hint.bytes * self.times, documents=hint.documents * self.times)
+
+
+def child(times: int, tokenizer: str | None, out: str, batch_size: int) -> None:
+    """Run inside a fresh process: build the dataset, print tokens, time and this process's peak RSS."""
+    from nanopt.data.pipeline import build_dataset
+
+    start = time.perf_counter()
+    summary = build_dataset(out, RepeatedStdlib(times), tokenizer=tokenizer, batch_size=batch_size)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"tokens": summary["tokens"], "seconds": time.perf_counter() - start, "peak_rss": peak}))
+
+
+def memory(tokenizer_path: Path, batch_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for mode, tokenizer in (("given_tokenizer", str(tokenizer_path)), ("training_tokenizer", "")):
+        for times in REPEATS:
+            with tempfile.TemporaryDirectory() as tmp:
+                command = [sys.executable, __file__, "--child", str(times), "--tokenizer", tokenizer,
+                           "--out", str(Path(tmp) / "ds"), "--batch-size", str(batch_size)]
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
+            results[f"{mode}_{times}x"] = json.loads(done.stdout.strip().splitlines()[-1])
+        first, last = (results[f"{mode}_{t}x"]["peak_rss"] for t in (REPEATS[0], REPEATS[-1]))
+        results[f"{mode}_growth"] = last / first
+    return results
+
+
+def report(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    t = result["throughput"]
+    table = Table(title=f"tokens/s over the built-in corpus ({t['documents']} documents, {t['tokens']:,} tokens, "
+                        f"batches of {t['batch_size']}, best of {t['rounds']} rounds)", title_justify="left")
+    table.add_column("method")
+    table.add_column("tokens/s", justify="right")
+    for name, value in t["tokens_per_second"].items():
+        table.add_row(name.replace("_", " "), f"{value:,.0f}")
+    out.print(table)
+    out.print(f"nanopt / single-core encode loop: {t['ratio_vs_single_core']:.2f}x")
+    out.print(f"nanopt / encode_batch (best of one call and batched): {t['ratio_vs_encode_batch']:.2f}x "
+              f"(target >= 0.9)")
+    out.print(f"nanopt / encode_batch_fast (batched): {t['ratio_vs_encode_batch_fast']:.2f}x")
+    m = result["memory"]
+    table = Table(title="peak RSS of the pipeline, built-in corpus repeated", title_justify="left")
+    for name in ("mode", *(f"{r}x" for r in REPEATS), f"{REPEATS[-1]}x / {REPEATS[0]}x"):
+        table.add_column(name, justify="right" if name != "mode" else "left")
+    for mode in ("given_tokenizer", "training_tokenizer"):
+        cells = [f"{m[f'{mode}_{r}x']['peak_rss'] / 2**20:,.0f} MiB ({m[f'{mode}_{r}x']['tokens'] / 1e6:.1f}M tok, "
+                 f"{m[f'{mode}_{r}x']['seconds']:.1f}s)" for r in REPEATS]
+        table.add_row(mode.replace("_", " "), *cells, f"{m[f'{mode}_growth']:.3f} (target <= 1.2)")
+    out.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=256, help="documents per encode call (pipeline default)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the best one counts")
+    parser.add_argument("--skip-memory", action="store_true", help="throughput only")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.tokenizer or None, args.out, args.batch_size)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        docs = stdlib_documents()
+        tokenizer_path = Path(tmp) / "tokenizer.json"
+        tokenizer = train_tokenizer(docs, tokenizer_path)
+        result = {"throughput": throughput(docs, tokenizer, tokenizer_path, args.batch_size, args.rounds)}
+        if not args.skip_memory:
+            result["memory"] = memory(tokenizer_path, args.batch_size)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        report(result) if "memory" in result else print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
