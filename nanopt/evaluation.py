@@ -210,10 +210,22 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "precision": rt.precision, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if rt.is_main:
-        save_json(trained.checkpoint.path / EVAL_FILE, result)
-        save_json(Path(run_dir) / EVAL_FILE, result)
+    write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, Path(run_dir) / EVAL_FILE])
     return result
+
+
+def write_result(rt: Runtime, result: dict[str, Any], paths: list[Path]) -> None:
+    """Rank 0 writes each file atomically; every rank learns whether it could, so all raise or none does."""
+    failure = None
+    if rt.is_main:
+        try:
+            for path in paths:
+                save_json(path, result)
+        except OSError as exc:
+            failure = f"could not write {exc.filename or paths[0]}: {exc.strerror or exc}"
+    failure = broadcast_object(rt, failure)
+    if failure is not None:
+        raise CheckpointError(failure, "make the run directory writable, or copy the run somewhere writable")
 
 
 def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float) -> float:

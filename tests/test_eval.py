@@ -232,3 +232,15 @@ def test_user_errors_exit_2_with_a_hint(runs, tiny_dataset: Path, tmp_path: Path
     assert_user_error(cli("eval", runs["strong"], "--micro-batch-size", "100000", "--no-samples"),
                       "split 'test'", "one evaluation batch per rank")
     assert_user_error(cli("eval", runs["strong"], "--tokens", "lots"), "--tokens")
+
+
+def test_an_unwritable_result_is_an_error_not_a_traceback(runs, cli):
+    blocker = runs["weak"] / "eval.json"  # a non-empty directory where the file should go
+    shutil.rmtree(blocker, ignore_errors=True)
+    blocker.unlink(missing_ok=True)
+    (blocker / "keep").mkdir(parents=True)
+    try:
+        result = cli("eval", runs["weak"], "--tokens", "128", "--no-samples")
+        assert_user_error(result, "could not write", "writable")
+    finally:
+        shutil.rmtree(blocker)
