@@ -1,9 +1,218 @@
-"""`nanopt find-batch`."""
+"""`nanopt find-batch`: the largest and the fastest micro-batch that fit, from real training steps."""
 
-from nanopt.cli.app import app, not_built
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from nanopt.cli import format as fmt
+from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+
+EPILOG = """
+Examples:
+
+  nanopt find-batch runs/gpt2-small                           # this GPU, keeping 5% of its memory free
+
+  nanopt find-batch runs/gpt2-small --gpu-memory 40GiB        # what fits on a 40 GB card, asked on an 80 GB one
+
+  nanopt find-batch runs/llama-1b --nproc-per-node 8          # DDP / FSDP ranks agreeing on one size
+
+  nanopt find-batch runs/demo --max-memory 2GiB --max 64      # CPU: bound each trial's peak resident memory
+
+  nanopt find-batch runs/gpt2-small --write                   # then set train.json's micro_batch_size
+
+  nanopt find-batch runs/gpt2-small --set activation_checkpointing=true --json
+"""
 
 
-@app.command("find-batch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def find_batch_command() -> None:
-    """Not built yet in this version."""
-    not_built("find-batch")
+@app.command("find-batch", epilog=EPILOG)
+def find_batch_command(
+    run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
+    start: int = typer.Option(1, "--start", help="First micro-batch to try; the search doubles from it."),
+    maximum: int = typer.Option(1024, "--max", help="Largest micro-batch to try."),
+    steps: int = typer.Option(3, "--steps", help="Optimizer steps per trial (>= 3: the optimizer state "
+                                                 "appears after the first; the rest are timed)."),
+    margin: float = typer.Option(0.05, "--margin", help="Keep this fraction of the memory limit free: a size "
+                                                        "fits only if its peak <= (1 - margin) x limit."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Cap the GPU at this much memory (e.g. "
+                                          "40GiB) to ask what fits on a smaller card."),
+    max_memory: str | None = typer.Option(None, "--max-memory", help="CPU only, and required there (nothing "
+                                          "runs out of memory on a CPU): the peak resident memory a trial "
+                                          "process may reach, Python and torch included, e.g. 4GiB."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one trial may take before it counts as "
+                                                            "failed."),
+    write: bool = typer.Option(False, "--write", help="Set train.json's micro_batch_size to the result (see "
+                                                      "--pick); other keys are kept as they are."),
+    pick: str = typer.Option("best", "--pick", help="What --write writes: best (the fastest size that fits) or "
+                                                    "max (the largest that fits); either with an exact "
+                                                    "gradient accumulation for the configured global batch."),
+    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun "
+                                                                   "and the ranks agree on every trial."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Find the largest and the fastest micro-batch that fit, with real forward, backward and optimizer steps
+    at exactly the run's settings; each trial in a fresh process, the memory model's error reported."""
+    from nanopt.errors import ConfigError
+    from nanopt.find_batch import FindBatchOptions, find_batch, write_micro_batch
+    from nanopt.hardware import parse_size
+
+    if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        relaunch_under_torchrun(nproc_per_node)
+    if pick not in ("best", "max"):
+        raise ConfigError(f"--pick: unknown value '{pick}'", "use --pick best or --pick max")
+    run = load_run_config(run_dir, sets)
+    opts = FindBatchOptions(start=start, maximum=maximum, steps=steps, margin=margin, trial_timeout_s=timeout,
+                            gpu_memory=parse_size(gpu_memory) if gpu_memory else None,
+                            max_memory=parse_size(max_memory, "--max-memory") if max_memory else None)
+    main = os.environ.get("RANK", "0") == "0"
+    progress = _Progress(main)
+    report = find_batch(run, opts, on_start=progress.start, on_trial=progress.done)
+    progress.stop()
+    if not main:
+        return
+    if not as_json:
+        render(report)
+    if write:
+        report["written"] = write_micro_batch(run_dir, report, pick)
+        if not as_json:
+            w = report["written"]
+            console().print(f"[bold]{w['path']}[/]: micro_batch_size {w['old']} -> {w['new']} ({pick})")
+    if as_json:
+        print_json(report)
+
+
+def relaunch_under_torchrun(nproc_per_node: int) -> None:
+    """Replace this process with torchrun on this node running the same command.
+
+    The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or --max
+    as abbreviations of its own (--start-method, --max-restarts) and stops.
+    """
+    from nanopt.cli.train import _strip_launcher_options
+
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--standalone",
+            "-m", "nanopt", "--", *_strip_launcher_options(sys.argv[1:])]
+    os.execv(sys.executable, args)
+
+
+class _Progress:
+    """A spinner while a trial runs and one line per finished trial, on stderr (stdout stays JSON-clean)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.out = console(stderr=True)
+        self.status: Any = None
+
+    def start(self, size: int) -> None:
+        if self.enabled:
+            self.stop()
+            self.status = self.out.status(f"trial: micro-batch {size} ...")
+            self.status.start()
+
+    def done(self, trial: Any) -> None:
+        if not self.enabled:
+            return
+        self.stop()
+        speed = f", {trial.tokens_per_s:,.0f} tokens/s" if trial.tokens_per_s else ""
+        above = "> " if trial.peak_is_lower_bound else ""
+        self.out.print(f"micro-batch {trial.micro_batch_size}: {trial.reason}, peak "
+                       f"{above}{fmt.size(trial.peak_memory_bytes)}{speed}", markup=False)
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def render(r: dict[str, Any]) -> None:
+    out = console()
+    out.print(_trials_table(r))
+    out.print(_result_table(r))
+
+
+def _trials_table(r: dict[str, Any]) -> Table:
+    where = f"{r['world_size']} rank(s), " if r["world_size"] > 1 else ""
+    title = (f"nanopt find-batch: {r['run']} on {r['device_name']} ({where}{r['precision']}, compile "
+             f"{'on' if r['compiled'] else 'off'}, activation checkpointing "
+             f"{'on' if r['activation_checkpointing'] else 'off'}, seq_len {r['seq_len']})")
+    table = Table(title=title, title_justify="left")
+    for name in ("micro-batch", "result", "peak memory", "predicted", "tokens/s", "MFU", "step time"):
+        table.add_column(name, justify="left" if name == "result" else "right")
+    table.add_column(f"accumulation for {fmt.count(r['global_batch_tokens'])} tokens", justify="right")
+    for t in r["trials"]:
+        style = "green" if t["fits"] else "red"
+        accum = str(t["grad_accum"]) if t["grad_accum"] is not None else "inexact"
+        peak = ("> " if t["peak_is_lower_bound"] else "") + fmt.size(t["peak_memory_bytes"])
+        table.add_row(str(t["micro_batch_size"]), f"[{style}]{t['reason']}[/]", peak,
+                      fmt.size(t["predicted_peak_bytes"]), _rate(t["tokens_per_s"]), fmt.percent(t["mfu"]),
+                      seconds(t["step_time_s"]), accum)
+    table.caption = ("tokens/s: a trial step (accumulation 1, optimizer step included); predicted: "
+                     "nanopt.flops.estimate_memory. " + _limit_text(r))
+    return table
+
+
+def _result_table(r: dict[str, Any]) -> Table:
+    c = r["calibration"]
+    table = Table(show_header=False, title="result", title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    capped = " (every size up to --max fit; raise --max to go further)" if r["max_micro_batch_capped"] else ""
+    rows = [
+        ("largest that fits", f"{r['max_micro_batch']}{capped}{_accum(r['grad_accum_at_max'])}"
+                              if r["max_micro_batch"] else "none: see the reasons above"),
+        ("fastest (best)", f"{r['best_micro_batch']}{_accum(r['grad_accum_at_best'])}" if r["best_micro_batch"]
+                           else "-"),
+        ("configured", f"{r['configured']['micro_batch_size']}{_accum(r['configured']['grad_accum'])}"),
+        ("memory model: largest", f"{_value(c['predicted_max_micro_batch'])} (error "
+                                  f"{_error(c['max_micro_batch_error'])})"),
+        ("memory model: peak", f"{fmt.size(c['predicted_peak_bytes'])} vs measured "
+                               f"{fmt.size(c['measured_peak_bytes'])} at micro-batch {_value(c.get('at_micro_batch'))} "
+                               f"(error {_error(c['peak_error'])})"),
+        ("memory model: per sequence", f"{fmt.size(c.get('predicted_bytes_per_sequence'))} vs measured "
+                                       f"{fmt.size(c.get('measured_bytes_per_sequence'))}"),
+        ("MFU peak", r["peak_source"] or "-"),
+        ("saved", r.get("saved", "-")),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    table.caption = c.get("note", "")
+    return table
+
+
+def _limit_text(r: dict[str, Any]) -> str:
+    lim = r["limit"]
+    if lim["bytes"] is None:
+        return ""
+    kind = "GPU memory" if lim["kind"] == "gpu" else "CPU bound on peak resident memory"
+    if lim["kind"] == "gpu" and lim["gpu_memory_cap"]:
+        kind = "GPU memory capped by --gpu-memory"
+    return (f"Fits: peak <= {fmt.size(lim['usable_bytes'])} = (1 - {lim['margin']:g}) x "
+            f"{fmt.size(lim['bytes'])} ({kind}).")
+
+
+def _accum(accum: int | None) -> str:
+    return f", accumulation {accum}" if accum else ", accumulation inexact"
+
+
+def seconds(x: float | None) -> str:
+    """Seconds for a table: milliseconds below one second (fmt.duration would round them to 0.0s)."""
+    if x is None:
+        return "-"
+    return f"{1000 * x:.0f} ms" if x < 1 else fmt.duration(x)
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _value(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def _error(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"

@@ -1,0 +1,167 @@
+"""`nanopt find-batch`: the search over sizes, ranks agreeing through a real gloo all-reduce, CPU memory bounds
+on a run whose activations grow with the micro-batch, and --write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from clihelp import assert_user_error, run_cli
+from trainhelp import make_run
+
+from nanopt.find_batch import agree, search
+from nanopt.runtime import Runtime
+
+# ------------------------------------------------------------------------------------------------ search
+
+
+@pytest.mark.parametrize(("threshold", "start", "maximum"), [
+    (37, 1, 1024),  # not a power of two: doubling overshoots to 64, bisection comes back
+    (64, 1, 1024),  # exactly a power of two
+    (1, 1, 1024),  # only the smallest fits
+    (100, 1, 100),  # a maximum that is not a power of two, everything fits
+    (5000, 1, 1024),  # everything fits up to --max
+    (37, 3, 1024),  # --start: 3, 6, 12, 24, 48, then bisection
+    (2, 8, 1024),  # --start itself fails: bisect below it
+    (999, 1, 1000),
+])
+def test_search_finds_the_largest_size_that_fits(threshold: int, start: int, maximum: int):
+    calls: list[int] = []
+
+    def fits(size: int) -> bool:
+        calls.append(size)
+        return size <= threshold
+
+    found, tried = search(fits, start, maximum)
+    assert found == min(threshold, maximum)
+    assert tried == calls and len(set(tried)) == len(tried)  # each size once, in the order reported
+    assert all(1 <= size <= maximum for size in tried)
+    assert len(tried) <= 2 * maximum.bit_length() + 1  # logarithmic, not a scan
+
+
+def test_search_when_nothing_fits():
+    found, tried = search(lambda size: False, 1, 1024)
+    assert (found, tried) == (0, [1])
+    found, tried = search(lambda size: False, 4, 1024)
+    assert found == 0 and tried == [4, 2, 1]
+
+
+def test_search_doubles_then_bisects():
+    _, tried = search(lambda size: size <= 37, 1, 1024)
+    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+
+
+def test_search_rejects_an_empty_range():
+    with pytest.raises(ValueError):
+        search(lambda size: True, 10, 5)
+
+
+# ------------------------------------------------------------------------------------------ rank agreement
+
+
+def _agree_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rt = Runtime(device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=2, precision="fp32")
+    # Rank 0 and rank 1 see different local outcomes; both must come away with the same answer.
+    pairs = [(True, False), (False, True), (True, True), (False, False)]
+    answers = [agree(rt, pair[rank]) for pair in pairs]
+    # A whole search where rank 1 has less memory (fits up to 20) than rank 0 (up to 37).
+    limit = 37 if rank == 0 else 20
+    found, tried = search(lambda size: agree(rt, size <= limit), 1, 1024)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"answers": answers, "found": found, "tried": tried}))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_agree_on_the_minimum_and_bisect_identically(tmp_path: Path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["answers"] == rank1["answers"] == [False, False, True, False]
+    assert rank0["found"] == rank1["found"] == 20
+    assert rank0["tried"] == rank1["tried"]
+
+
+# ------------------------------------------------------------------------------------------- on a real run
+
+# Large enough that activations clearly grow with the micro-batch (about 10 MiB per sequence on the CPU).
+GROWING_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def find_batch_json(run: Path, *args: str) -> dict:
+    result = run_cli("find-batch", run, "--json", "--margin", "0", *args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path):
+    run = make_run(tmp_path, tiny_dataset)
+    assert_user_error(run_cli("find-batch", run), "on the CPU", "--max-memory")
+
+
+def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_path: Path, tiny_dataset: Path):
+    run = make_run(tmp_path, tiny_dataset, model=GROWING_MODEL, micro_batch_size=2, global_batch_tokens=16 * 256)
+    before = json.loads((run / "train.json").read_text())
+
+    roomy = find_batch_json(run, "--max-memory", "4GiB", "--start", "4", "--max", "8")
+    assert roomy["max_micro_batch"] == 8 and roomy["max_micro_batch_capped"]
+    assert roomy["search_order"] == [4, 8]
+    peaks = {t["micro_batch_size"]: t["peak_memory_bytes"] for t in roomy["trials"]}
+    assert all(t["fits"] and t["reason"] == "fits" and t["tokens_per_s"] > 0 for t in roomy["trials"])
+    assert peaks[8] - peaks[4] > 16 * 2**20, peaks  # the set-up itself: memory must grow with the batch
+    assert json.loads((run / "find_batch.json").read_text())["trials"] == roomy["trials"]
+
+    # A bound between the peaks of 4 and 8 sequences: 4 must fit, 8 must not.
+    bound = (peaks[4] + peaks[8]) // 2
+    tight = find_batch_json(run, "--max-memory", str(bound), "--start", "4", "--max", "8", "--write")
+    assert 4 <= tight["max_micro_batch"] < roomy["max_micro_batch"]
+    assert not tight["max_micro_batch_capped"]
+    by_size = {t["micro_batch_size"]: t for t in tight["trials"]}
+    assert by_size[8]["reason"] == "over limit" and not by_size[8]["fits"]
+    assert all(t["fits"] == (t["micro_batch_size"] <= tight["max_micro_batch"]) for t in tight["trials"])
+    assert tight["limit"]["usable_bytes"] == bound
+
+    # Only 4 of the sizes that fit divides the global batch of 16 x 256 tokens exactly.
+    assert tight["best_micro_batch"] == 4 and tight["grad_accum_at_best"] == 4
+    assert tight["written"] == {"path": str(run / "train.json"), "old": 2, "new": 4}
+    after = json.loads((run / "train.json").read_text())
+    assert after["micro_batch_size"] == 4
+    assert list(after) == list(before)
+    assert {k: v for k, v in after.items() if k != "micro_batch_size"} == \
+        {k: v for k, v in before.items() if k != "micro_batch_size"}
+
+    calibration = tight["calibration"]
+    for key in ("predicted_peak_bytes", "measured_peak_bytes", "peak_error", "predicted_max_micro_batch",
+                "max_micro_batch_error"):
+        assert calibration[key] is not None, key
+    assert tight["predicted_max_micro_batch"] == calibration["predicted_max_micro_batch"]
+    assert calibration["peak_error"] == pytest.approx(
+        calibration["predicted_peak_bytes"] / calibration["measured_peak_bytes"] - 1)
+
+
+def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: Path):
+    run = make_run(tmp_path, tiny_dataset, micro_batch_size=2, global_batch_tokens=2 * 32 * 2)
+    report = find_batch_json(run, "--nproc-per-node", "2", "--max-memory", "4GiB", "--start", "2", "--max", "4")
+    assert report["world_size"] == 2
+    assert report["max_micro_batch"] == 4 and report["search_order"] == [2, 4]
+    assert all(t["fits"] and t["peak_memory_bytes"] > 0 for t in report["trials"])
+    # The global batch of 128 tokens is one micro-batch of 2 on each of 2 ranks: 4 cannot divide it.
+    assert [t["grad_accum"] for t in report["trials"]] == [1, None]
+    assert report["best_micro_batch"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_memory_cap_finds_a_smaller_batch(tmp_path: Path, tiny_dataset: Path):
+    run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
+                   micro_batch_size=2, global_batch_tokens=16 * 256)
+    large = find_batch_json(run, "--gpu-memory", "6GiB", "--max", "256")
+    small = find_batch_json(run, "--gpu-memory", "3GiB", "--max", "256")
+    assert 0 < small["max_micro_batch"] < large["max_micro_batch"]
+    assert any(t["reason"] in ("OOM", "over limit") for t in small["trials"])
+    assert small["calibration"]["peak_error"] is not None
