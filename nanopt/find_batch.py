@@ -292,10 +292,11 @@ def _device_name(device: Any) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _trial_process(run: RunConfig, steps: int, gpu_memory: int | None, conn: Any) -> None:
+def _trial_process(run: RunConfig, steps: int, gpu_memory: int | None, conn: Any, requester: int) -> None:
     """Entry point of a trial process: measure, send the result to the parent, exit."""
     from nanopt.runtime import init_runtime
 
+    _exit_when_gone(requester)
     try:
         rt = init_runtime(run.train.precision)
         result = measure(run, rt, steps, MemoryProbe(rt.device, gpu_memory))
@@ -306,6 +307,24 @@ def _trial_process(run: RunConfig, steps: int, gpu_memory: int | None, conn: Any
         result = {"status": "error", "detail": _crash_reason(exc, last)}
     conn.send(result)
     conn.close()
+
+
+def _exit_when_gone(pid: int, every_s: float = 1.0) -> None:
+    """End this trial if the process that asked for it is gone (killed, preempted): an orphaned trial would
+    hold the GPU for nothing until it finished."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass  # it exists, owned by another user
+
+    threading.Thread(target=watch, name="find-batch-watchdog", daemon=True).start()
 
 
 def _crash_reason(exc: BaseException, last_line: str) -> str:
@@ -354,7 +373,7 @@ class ProcessTrials:
         # Not a daemon: torch.compile may start compile workers, which a daemon process may not have.
         process = self.ctx.Process(target=_trial_process, name=f"find-batch-{micro_batch_size}",
                                    args=(trial_run(self.run, micro_batch_size, 1), self.opts.steps,
-                                         self.opts.gpu_memory, child_conn))
+                                         self.opts.gpu_memory, child_conn, os.getpid()))
         process.start()
         child_conn.close()
         try:
