@@ -2,13 +2,14 @@
 
 The run's own step (`nanopt.train.build_session` + `step`: same model, dtype, compile, accumulation and
 parallelism) runs under torch.profiler with the schedule wait / warmup / active. The active steps are exported as a
-Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing) and, through torch's
-`tensorboard_trace_handler`, as a TensorBoard trace directory; and they are summarized:
+Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing), copied into a directory named as torch's
+`tensorboard_trace_handler` names its files (for TensorBoard's PyTorch profiler plugin); and they are summarized:
 
 - step time split into busy and idle: on a GPU, busy = the union of the intervals in which a kernel or memcpy ran;
   on the CPU, busy = the self time of every profiled operator (Python glue between operators, the dispatcher
   outside operators and the profiler itself are the idle rest);
-- the operators (CPU) or kernels (GPU) with the most self time, and their shares grouped into categories;
+- the operators (CPU) or kernels (GPU) with the most self time, and their shares grouped into categories; what
+  runs inside an optimizer step, a collective, an attention call or a loader wait counts for that category;
 - host overhead: on the CPU the idle time above; on a GPU the host's own time inside operators and kernel
   launches, which bounds the step when it is larger than the device's busy time;
 - the share of the step spent waiting for the data loader (`loader.next_batch`, labelled `nanopt.data_wait` in
@@ -95,6 +96,10 @@ def categorize(name: str) -> str:
         return "attention"
     if low.startswith("aten::"):
         return _aten_category(low.removeprefix("aten::"))
+    if "compiledfxgraph" in low:
+        # On the CPU, inductor's generated C++ runs inside this frame: fused pointwise and reduction kernels
+        # (the matmuls and attention it calls are operators of their own).
+        return "elementwise/norm/activation"
     if low.startswith(("autograd::", "torch::autograd::")) or low.endswith(("backward0", "backward1")):
         return "other"  # autograd engine bookkeeping; the arithmetic is in the operators it calls
     if any(word in low for word in _MATMUL_KERNELS):

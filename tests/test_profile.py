@@ -90,6 +90,7 @@ def test_tables_render(profiled, capsys):
     ("Memcpy HtoD (Pageable -> Device)", "data loading/copies"), ("aten::copy_", "data loading/copies"),
     ("aten::mul", "elementwise/norm/activation"), ("aten::_log_softmax", "elementwise/norm/activation"),
     ("aten::view", "other"), ("autograd::engine::evaluate_function: MmBackward0", "other"),
+    ("## Call CompiledFxGraph fwf3czd33blknq2g7yxraorfraszcw32yoyhh55q4rjbs7 ##", "elementwise/norm/activation"),
 ])
 def test_categories_of_real_operator_and_kernel_names(name: str, category: str):
     assert categorize(name) == category
