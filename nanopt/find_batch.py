@@ -508,11 +508,11 @@ def judge(m: dict[str, Any], limit: int | None, margin: float) -> tuple[bool, st
 def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int], None] | None = None,
                on_trial: Callable[[Trial], None] | None = None) -> dict[str, Any]:
     """Search the micro-batch sizes, save runs/NAME/find_batch.json (rank 0) and return the report (every rank)."""
-    from nanopt.runtime import init_runtime, shutdown, torchrun_env
-
     opts.validate()
-    world = torchrun_env()[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # as torchrun sets it (nanopt.runtime would import torch here)
     if world > 1:
+        from nanopt.runtime import init_runtime, shutdown
+
         rt = init_runtime(run.train.precision)
         try:
             _check_device(opts, rt.device.type == "cuda")
@@ -520,6 +520,8 @@ def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int],
         finally:
             shutdown(rt)
     else:
+        if _surely_no_gpu():
+            _check_device(opts, on_cuda=False)  # a missing --max-memory fails now, before any server starts
         trials = ProcessTrials(run, opts)
         _check_device(opts, trials.cuda_available())
         report = _search(run, opts, trials, world, on_start, on_trial)
@@ -527,6 +529,18 @@ def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int],
         save_json(Path(run.run_dir) / RESULT_FILE, report)
         report["saved"] = str(Path(run.run_dir) / RESULT_FILE)
     return report
+
+
+def _surely_no_gpu() -> bool:
+    """True when this Linux or macOS machine has no GPU device node at all, so CUDA cannot be available."""
+    import sys
+
+    if sys.platform == "darwin":
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    dev = Path("/dev")
+    return not any(dev.glob("nvidia[0-9]*")) and not (dev / "kfd").exists()
 
 
 def _check_device(opts: FindBatchOptions, on_cuda: bool) -> None:

@@ -104,7 +104,9 @@ def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path)
     assert_user_error(run_cli("find-batch", run), "on the CPU", "--max-memory")
 
 
-def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_path: Path, tiny_dataset: Path):
+def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_path: Path, tiny_dataset: Path,
+                                                                           capsys: pytest.CaptureFixture,
+                                                                           monkeypatch: pytest.MonkeyPatch):
     run = make_run(tmp_path, tiny_dataset, model=GROWING_MODEL, micro_batch_size=2, global_batch_tokens=16 * 256)
     before = json.loads((run / "train.json").read_text())
 
@@ -142,6 +144,14 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
     assert tight["predicted_max_micro_batch"] == calibration["predicted_max_micro_batch"]
     assert calibration["peak_error"] == pytest.approx(
         calibration["predicted_peak_bytes"] / calibration["measured_peak_bytes"] - 1)
+
+    from nanopt.cli.find_batch import render
+
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    render(tight)
+    table = capsys.readouterr().out
+    for fragment in ("over limit", "largest with exact accumulation", "memory model: peak", "inexact"):
+        assert fragment in table
 
 
 def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: Path):

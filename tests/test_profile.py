@@ -69,9 +69,10 @@ def test_trace_is_a_chrome_trace_with_the_data_wait_label(profiled):
     assert len(copies) == 1 and json.loads(copies[0].read_text()) == trace
 
 
-def test_tables_render(profiled, capsys):
+def test_tables_render(profiled, capsys, monkeypatch):
     from nanopt.cli.profile import render
 
+    monkeypatch.setenv("COLUMNS", "200")
     render(profiled[1])
     text = capsys.readouterr().out
     for fragment in ("data-loader wait", "CPU in operators (busy)", "compile off", "matmul", "aten::mm"):

@@ -141,9 +141,8 @@ def _trials_table(r: dict[str, Any]) -> Table:
              f"{'on' if r['compiled'] else 'off'}, activation checkpointing "
              f"{'on' if r['activation_checkpointing'] else 'off'}, seq_len {r['seq_len']})")
     table = Table(title=title, title_justify="left")
-    for name in ("micro-batch", "result", "peak memory", "predicted", "tokens/s", "MFU", "step time"):
+    for name in ("micro-batch", "result", "peak", "predicted", "tokens/s", "MFU", "step", "accum"):
         table.add_column(name, justify="left" if name == "result" else "right")
-    table.add_column(f"accumulation for {fmt.count(r['global_batch_tokens'])} tokens", justify="right")
     for t in r["trials"]:
         style = "green" if t["fits"] else "red"
         accum = str(t["grad_accum"]) if t["grad_accum"] is not None else "inexact"
@@ -151,7 +150,8 @@ def _trials_table(r: dict[str, Any]) -> Table:
         table.add_row(str(t["micro_batch_size"]), f"[{style}]{t['reason']}[/]", peak,
                       fmt.size(t["predicted_peak_bytes"]), _rate(t["tokens_per_s"]), fmt.percent(t["mfu"]),
                       seconds(t["step_time_s"]), accum)
-    table.caption = ("tokens/s: a trial step (accumulation 1, optimizer step included); predicted: "
+    table.caption = (f"accum: gradient accumulation for the configured global batch of {r['global_batch_tokens']:,} "
+                     "tokens. tokens/s and step: a trial step (accumulation 1, optimizer step included). predicted: "
                      "nanopt.flops.estimate_memory. " + _limit_text(r))
     return table
 
@@ -165,6 +165,7 @@ def _result_table(r: dict[str, Any]) -> Table:
     rows = [
         ("largest that fits", f"{r['max_micro_batch']}{capped}{_accum(r['grad_accum_at_max'])}"
                               if r["max_micro_batch"] else "none: see the reasons above"),
+        ("largest with exact accumulation", _exact(r)),
         ("fastest (best)", f"{r['best_micro_batch']}{_accum(r['grad_accum_at_best'])}" if r["best_micro_batch"]
                            else "-"),
         ("configured", f"{r['configured']['micro_batch_size']}{_accum(r['configured']['grad_accum'])}"),
@@ -193,6 +194,14 @@ def _limit_text(r: dict[str, Any]) -> str:
         kind = "GPU memory capped by --gpu-memory"
     return (f"Fits: peak <= {fmt.size(lim['usable_bytes'])} = (1 - {lim['margin']:g}) x "
             f"{fmt.size(lim['bytes'])} ({kind}).")
+
+
+def _exact(r: dict[str, Any]) -> str:
+    size = r["max_exact_micro_batch"]
+    if size is None:
+        return f"none divides {r['global_batch_tokens']:,} tokens / (seq_len x world size)"
+    accum = next(t["grad_accum"] for t in r["trials"] if t["micro_batch_size"] == size)
+    return f"{size}{_accum(accum)}"
 
 
 def _accum(accum: int | None) -> str:
