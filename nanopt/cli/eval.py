@@ -149,13 +149,16 @@ def _render_one(r: dict[str, Any]) -> None:
 def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
     out = console()
     table = Table(title="nanopt eval: runs by test loss", title_justify="left")
-    for name in ("#", "run", "step", "params", "tokens", "global batch", "test loss", "ppl", "bits/byte",
-                 "train time", "GPU-h", "cost"):
-        table.add_column(name, justify="left" if name == "run" else "right")
+    # Perplexity is left out: it is exp(test loss), in the JSON. "batch" is the global batch in tokens.
+    for name in ("#", "run", "step", "params", "tokens", "batch", "test loss", "bits/byte", "train time", "GPU-h",
+                 "cost"):
+        # A narrow terminal wraps a run's path rather than cutting off the part that tells runs apart.
+        table.add_column(name, justify="left" if name == "run" else "right", overflow="fold" if name == "run"
+                         else "ellipsis")
     for rank, r in enumerate(rows, 1):
         table.add_row(str(rank), escape(r["run"]), f"{r['step']:,}", fmt.count(r["parameters"]),
                       fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]), f"{r['test_loss']:.4f}",
-                      f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}", fmt.duration(r["train_seconds"]),
+                      f"{r['bits_per_byte']:.4f}", fmt.duration(r["train_seconds"]),
                       "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}", fmt.money(r["cost_usd"]))
     out.print(table)
     for note in notes:
