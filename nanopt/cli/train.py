@@ -48,11 +48,13 @@ def train_command(
     as_json: bool = typer.Option(False, "--json", help="Print the end-of-run summary as JSON."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
+    run = load_run_config(run_dir, sets)
     if (nproc_per_node > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+        # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
+        run.grad_accum_steps(nproc_per_node * nnodes)
         _exec_torchrun(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     from nanopt.train import TrainOptions, train
 
-    run = load_run_config(run_dir, sets)
     summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, live=not no_live))
     if os.environ.get("RANK", "0") != "0":
         return
