@@ -688,13 +688,15 @@ def _calibration_point(trials: dict[int, Trial], max_fit: int) -> Trial | None:
 
 
 def _measured_bytes_per_sequence(trials: dict[int, Trial]) -> int | None:
-    """Activation memory per sequence from the two largest sizes that fit: the slope of peak against size."""
-    points = sorted((t.micro_batch_size, t.peak_memory_bytes) for t in trials.values()
-                    if t.fits and t.peak_memory_bytes)
+    """Activation memory per sequence: the least-squares slope of peak against size over the sizes that fit
+    (two neighbouring sizes alone differ by little more than the measurement's noise)."""
+    points = [(t.micro_batch_size, t.peak_memory_bytes) for t in trials.values() if t.fits and t.peak_memory_bytes]
     if len(points) < 2:
         return None
-    (b1, p1), (b2, p2) = points[-2:]
-    return int((p2 - p1) / (b2 - b1))
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_p = sum(p for _, p in points) / len(points)
+    spread = sum((b - mean_b) ** 2 for b, _ in points)
+    return int(sum((b - mean_b) * (p - mean_p) for b, p in points) / spread)
 
 
 # ------------------------------------------------------------------------------------------------- --write
