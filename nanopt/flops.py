@@ -154,8 +154,8 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
 
 
 def loss_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> int:
-    """The final norm output and the chunked loss's saved state; the [T, V] logits are recomputed per chunk."""
-    return 4 * cfg.hidden_size + act_bytes * cfg.hidden_size + 8
+    """The final norm output and the fused loss's saved d(hidden); no [T, V] logits are kept."""
+    return 4 * cfg.hidden_size + 2 * act_bytes * cfg.hidden_size + 8
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,

@@ -39,7 +39,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
@@ -47,7 +46,7 @@ from nanopt.errors import ConfigError
 IGNORE_INDEX = -100
 
 # The loss never holds the whole [B*T, vocab] logits in fp32: it works through row chunks whose fp32 logits take
-# at most this many bytes, and recomputes each chunk's logits in backward instead of keeping them.
+# at most this many bytes, and forms each chunk's gradients in the same pass instead of keeping the logits.
 LOSS_CHUNK_BYTES = 512 << 20  # vocab 128256: ~1000 rows a chunk, still large enough to keep the GPU busy
 MAX_LOSS_CHUNK_ROWS = 8192
 MIN_LOSS_CHUNK_ROWS = 256
@@ -302,22 +301,76 @@ def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _checkpointed_chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    return checkpoint(_chunk_loss_sum, hidden, weight, targets, use_reentrant=False)
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum of cross-entropy of `hidden @ weight.T`, with both gradients computed chunk by chunk in forward.
+
+    For each chunk of rows the fp32 logits live only long enough to give the loss and their gradient
+    (softmax - one_hot), which is immediately multiplied into d(hidden) and accumulated into d(weight). Backward
+    only scales what forward stored: no [rows, vocab] tensor is kept and nothing is recomputed, so the FLOPs equal
+    those of a plain full-logits loss while memory holds one chunk of logits.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int) -> Tensor:
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for begin in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(begin, begin + chunk_rows)
+            chunk_loss, grad_logits = _chunk_loss_and_grad(hidden[rows], weight, targets[rows])
+            total = total + chunk_loss
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight += (grad_logits.t() @ hidden[rows]).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        d_hidden = grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None
+        d_weight = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
+        return d_hidden, d_weight, None, None
+
+
+def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed loss of one chunk and d(summed loss)/d(logits) in the matmul dtype; ignored rows contribute 0."""
+    logits = (hidden @ weight.t()).float()
+    valid = targets != IGNORE_INDEX
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    target_logits = logits.gather(1, safe_targets)
+    loss = ((log_normalizer - target_logits).squeeze(1) * valid).sum()
+    probabilities = logits.sub_(log_normalizer).exp_()  # reuses the logits' memory
+    probabilities.scatter_add_(1, safe_targets, -torch.ones_like(target_logits))
+    probabilities.mul_(valid.unsqueeze(1))
+    return loss, probabilities.to(hidden.dtype)
+
+
+def _compute_dtype(tensor: Tensor) -> torch.dtype:
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int) -> Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against targets, equal to F.cross_entropy on the full logits.
 
-    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Each chunk of rows is checkpointed: its logits
-    exist only while that chunk's loss is computed, in forward and again in backward, so peak memory is one chunk
-    of fp32 logits instead of N x V. The loop bounds are shapes, so torch.compile sees static control flow.
+    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Works through chunks of `chunk_rows` rows, so
+    peak memory holds one chunk of fp32 logits instead of N x V; with autograd the gradients are formed in the
+    same pass (see _LinearCrossEntropy). Under autocast the matmuls run in the autocast dtype and the softmax
+    in fp32. The loop bounds are shapes, so torch.compile sees static control flow.
     """
-    # Without autograd (evaluation) there is no backward to save memory for, so skip the checkpoint wrapper.
-    run_chunk = _checkpointed_chunk_loss_sum if torch.is_grad_enabled() else _chunk_loss_sum
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for begin in range(0, hidden.shape[0], chunk_rows):
-        end = begin + chunk_rows
-        total = total + run_chunk(hidden[begin:end], weight, targets[begin:end])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows)
+    else:  # evaluation: nothing to differentiate
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for begin in range(0, hidden.shape[0], chunk_rows):
+            end = begin + chunk_rows
+            total = total + _chunk_loss_sum(hidden[begin:end], weight, targets[begin:end])
     # All targets ignored gives 0 / 0 = nan, exactly as F.cross_entropy's mean does.
     return total / (targets != IGNORE_INDEX).sum()

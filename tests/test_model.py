@@ -144,8 +144,8 @@ def test_chunked_loss_equals_full_cross_entropy(name):
 
 
 def test_chunked_loss_saves_no_logits_for_backward():
-    # Every tensor autograd keeps for backward outside the checkpointed chunks passes through this hook. Logits
-    # (or their log-softmax) would be [rows, vocab]; with recomputation in backward none is kept, not even a chunk.
+    # Every tensor autograd keeps for backward passes through this hook. Logits
+    # (or their log-softmax) would be [rows, vocab]; the loss forms its gradients chunk by chunk, so none is kept.
     rows, hidden_size, vocab = 256, 64, 211
     hidden = torch.randn(rows, hidden_size, requires_grad=True)
     weight = torch.randn(vocab, hidden_size, requires_grad=True)

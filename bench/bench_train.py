@@ -1,0 +1,166 @@
+"""Training throughput of nanopt's real step against a plain nanoGPT-style baseline, side by side in one run.
+
+    python bench/bench_train.py --run runs/gpt2-small --micro-batch 32            # one H100: the headline
+    python bench/bench_train.py --run runs/llama-3.2-1b --micro-batch 8
+    python bench/bench_train.py --run runs/demo --steps 4 --warmup 1              # CPU smoke run
+
+Both sides get the same model shape, micro-batch, sequence length and random tokens, and are timed after
+warm-up (compilation included in warm-up) with a device synchronisation around the timed steps. nanopt runs
+its actual `nanopt.train.step` (compile per train.json, fused AdamW, bf16 autocast, chunked loss); the baseline
+is bench/baseline.py. Prints tokens/s, MFU (PaLM FLOPs against the GPU's dense peak), peak memory and the ratio,
+and the exact command, for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from baseline import BaselineGPT  # noqa: E402
+
+from nanopt.config import load_run  # noqa: E402
+from nanopt.flops import flops_per_token  # noqa: E402
+from nanopt.metrics import MetricsLog, peak_flops_for, peak_memory_bytes  # noqa: E402
+from nanopt.model import Transformer  # noqa: E402
+from nanopt.optim import build_optimizer  # noqa: E402
+from nanopt.parallel import prepare, resolve_compile  # noqa: E402
+from nanopt.runtime import init_runtime  # noqa: E402
+from nanopt.train import Session, TrainOptions, step  # noqa: E402
+from nanopt.train_display import Display  # noqa: E402
+
+
+class RandomTokens:
+    """A loader of pinned random token batches: measures the step, not the disk."""
+
+    def __init__(self, vocab: int, batch: int, seq: int, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        data = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        if device.type == "cuda":
+            data = data.pin_memory()
+        self.inputs, self.targets = data[:, :-1], data[:, 1:]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs, self.targets
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def time_steps(run_step, warmup: int, steps: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        run_step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def bench_nanopt(run, rt, args) -> tuple[float, int]:
+    reset_memory(rt.device)
+    torch.manual_seed(0)
+    prepared = prepare(Transformer(run.model), rt, run.train)
+    optimizer = build_optimizer(prepared.raw, run.train, rt.device)
+    loader = RandomTokens(run.model.vocab_size, args.micro_batch, run.seq_len, rt.device)
+    session = Session(run=run, rt=rt, opts=TrainOptions(live=False), prepared=prepared, optimizer=optimizer,
+                      loader=loader, dataset=None, accum=1, total_steps=10**9,
+                      metrics=MetricsLog(run.run_dir, enabled=False), display=Display(False, False),
+                      flops_per_token=0, peak_flops=None, peak_source="")
+    seconds = time_steps(lambda: step(session), args.warmup, args.steps, rt.device)
+    peak = peak_memory_bytes(rt.device)
+    return seconds, peak
+
+
+def bench_baseline(run, rt, args) -> tuple[float, int]:
+    reset_memory(rt.device)
+    torch.manual_seed(0)
+    model = BaselineGPT(run.model).to(rt.device)
+    fused = rt.device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=fused)
+    loader = RandomTokens(run.model.vocab_size, args.micro_batch, run.seq_len, rt.device)
+
+    def one_step() -> None:
+        x, y = (t.to(rt.device, non_blocking=True) for t in loader.next_batch())
+        with rt.autocast():
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = time_steps(one_step, args.warmup, args.steps, rt.device)
+    peak = peak_memory_bytes(rt.device)
+    return seconds, peak
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", default="runs/gpt2-small", help="run directory whose model.json / train.json to use")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: train.json's micro_batch_size")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--skip-baseline", action="store_true")
+    args = parser.parse_args()
+
+    run = load_run(args.run)
+    args.micro_batch = args.micro_batch or run.train.micro_batch_size
+    compile_setting = {"auto": run.train.compile, "on": True, "off": False}[args.compile]
+    train_cfg = dataclasses.replace(run.train, micro_batch_size=args.micro_batch, compile=compile_setting,
+                                    global_batch_tokens=args.micro_batch * run.seq_len)
+    run = dataclasses.replace(run, train=train_cfg)
+    rt = init_runtime(run.train.precision)
+    peak_flops, peak_source = peak_flops_for(rt.device, rt.precision)
+    fpt = flops_per_token(run.model, run.seq_len)
+    tokens = args.micro_batch * run.seq_len
+
+    device_name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
+    compiled = resolve_compile(compile_setting, rt.device)
+    print(f"command : python {shlex.join(sys.argv)}")
+    print(f"device  : {device_name}, torch {torch.__version__}, commit {commit()}, {rt.precision}, "
+          f"compile {'on' if compiled else 'off'} (nanopt only; the baseline is eager)")
+    print(f"shape   : {args.run}, micro-batch {args.micro_batch} x seq {run.seq_len}, {fpt / 1e9:.3f} GFLOP/token "
+          f"(PaLM), MFU against {peak_source}")
+    results = {"nanopt": bench_nanopt(run, rt, args)}
+    if not args.skip_baseline:
+        results["baseline"] = bench_baseline(run, rt, args)
+    for name, (seconds, peak) in results.items():
+        tps = tokens / seconds
+        mfu = f"{100 * tps * fpt / peak_flops:.1f}%" if peak_flops else "-"
+        print(f"{name:9s}: {tps:12,.0f} tokens/s  MFU {mfu:>6s}  step {1000 * seconds:8.1f} ms  "
+              f"peak memory {peak / 2**30:6.2f} GiB")
+    if "baseline" in results:
+        print(f"ratio    : nanopt / baseline = {results['baseline'][0] / results['nanopt'][0]:.2f}x tokens/s")
+
+
+if __name__ == "__main__":
+    main()
