@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
@@ -140,19 +141,20 @@ def _trials_table(r: dict[str, Any]) -> Table:
     title = (f"nanopt find-batch: {r['run']} on {r['device_name']} ({where}{r['precision']}, compile "
              f"{'on' if r['compiled'] else 'off'}, activation checkpointing "
              f"{'on' if r['activation_checkpointing'] else 'off'}, seq_len {r['seq_len']})")
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     for name in ("micro-batch", "result", "peak", "predicted", "tokens/s", "MFU", "step", "accum"):
         table.add_column(name, justify="left" if name == "result" else "right")
     for t in r["trials"]:
         style = "green" if t["fits"] else "red"
         accum = str(t["grad_accum"]) if t["grad_accum"] is not None else "inexact"
         peak = ("> " if t["peak_is_lower_bound"] else "") + fmt.size(t["peak_memory_bytes"])
-        table.add_row(str(t["micro_batch_size"]), f"[{style}]{t['reason']}[/]", peak,
+        table.add_row(str(t["micro_batch_size"]), f"[{style}]{escape(t['reason'])}[/]", peak,
                       fmt.size(t["predicted_peak_bytes"]), _rate(t["tokens_per_s"]), fmt.percent(t["mfu"]),
                       seconds(t["step_time_s"]), accum)
-    table.caption = (f"accum: gradient accumulation for the configured global batch of {r['global_batch_tokens']:,} "
-                     "tokens. tokens/s and step: a trial step (accumulation 1, optimizer step included). predicted: "
-                     "nanopt.flops.estimate_memory. " + _limit_text(r))
+    table.caption = (f"accum: gradient accumulation for the configured global batch of "
+                     f"{r['global_batch_tokens']:,} tokens. tokens/s and step: the fastest timed trial step "
+                     "(accumulation 1, optimizer step included). predicted: nanopt.flops.estimate_memory. "
+                     + _limit_text(r))
     return table
 
 
@@ -180,7 +182,7 @@ def _result_table(r: dict[str, Any]) -> Table:
         ("saved", r.get("saved", "-")),
     ]
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))
     table.caption = c.get("note", "")
     return table
 

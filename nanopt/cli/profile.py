@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
@@ -108,7 +109,7 @@ def _overview(s: dict[str, Any]) -> Table:
     title = (f"nanopt profile: {s['run']} on {s['device']} ({s['precision']}{where}; micro-batch "
              f"{s['micro_batch_size']} x {s['seq_len']} x accumulation {s['grad_accum']}; "
              f"{s['schedule']['active']} profiled steps)")
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=escape(title), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
     on_gpu = s["device"] == "cuda"
@@ -121,7 +122,7 @@ def _overview(s: dict[str, Any]) -> Table:
          f"{seconds(s['idle_s'])} ({fmt.percent(s['idle_share'])}){idle_note}"),
     ]
     if on_gpu:
-        host_note = "   [yellow]host-bound: the GPU waits for the CPU[/]" if s["host_bound"] else ""
+        host_note = "; host-bound: the GPU waits for the CPU" if s["host_bound"] else ""
         rows.append(("host time in operators + launches",
                      f"{seconds(s['cpu_overhead_s'])} ({fmt.percent(s['cpu_overhead_share'])}){host_note}"))
     rows += [
@@ -133,7 +134,7 @@ def _overview(s: dict[str, Any]) -> Table:
         ("trace", s["trace"]),
     ]
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))
     return table
 
 
@@ -166,6 +167,6 @@ def _top(s: dict[str, Any]) -> Table:
     table.add_column("share", justify="right")
     table.add_column("calls / step", justify="right")
     for op in s["top_ops"]:
-        table.add_row(op["name"], op["category"], seconds(op["seconds_per_step"]), fmt.percent(op["share"]),
+        table.add_row(escape(op["name"]), op["category"], seconds(op["seconds_per_step"]), fmt.percent(op["share"]),
                       f"{op['calls_per_step']:g}")
     return table
