@@ -105,7 +105,8 @@ def test_gpu_profile_with_compile(tmp_path: Path, tiny_dataset: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     s = json.loads(result.stdout)
     assert s["device"] == "cuda" and s["busy_measure"].startswith("GPU")
-    assert 0 < s["busy_share"] <= 1 and s["mfu"] is not None or s["peak_source"].startswith("unknown")
+    assert 0 < s["busy_share"] <= 1
+    assert s["mfu"] is not None or s["peak_source"].startswith("unknown GPU")
     assert s["compile"]["enabled"] and s["compile"]["graphs"] >= 1
     shares = {c["category"]: c["share"] for c in s["categories"]}
     assert shares["matmul"] > 0 and sum(shares.values()) == pytest.approx(1.0)
