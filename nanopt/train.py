@@ -326,8 +326,15 @@ def maybe_eval(s: Session) -> None:
 def maybe_checkpoint(s: Session, force: bool = False) -> None:
     st, interval = s.state, s.run.train.checkpoint_interval
     due = force or st.step == s.total_steps or (interval and st.step % interval == 0)
-    if due and st.last_checkpoint_step != st.step:
-        save_checkpoint(s)
+    if not due or st.last_checkpoint_step == st.step:
+        return
+    if st.consecutive_nonfinite:
+        # The weights that just gave a non-finite step would become `latest`, and resuming from them (as the
+        # divergence hint says) would diverge again: keep the last good checkpoint instead. Every rank skips.
+        s.metrics.write("event", step=st.step, event="checkpoint_skipped", reason="nonfinite")
+        s.display.note(f"step {st.step}: checkpoint not saved after a non-finite step; the last good one is kept")
+        return
+    save_checkpoint(s)
 
 
 def save_checkpoint(s: Session) -> None:
