@@ -56,8 +56,8 @@ def tokenize_command(
     run_dir: Path | None = typer.Option(None, "--run", help="Run directory whose model sets --max-tokens "
                                                             "chinchilla (20 tokens per parameter)."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
-    batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call (each batch is encoded on "
-                                                             "all cores)."),
+    batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
+                                                             "each call is encoded on all cores."),
     threads: int | None = typer.Option(None, "--threads", help="Tokenizer threads (default: every core)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir, write_meta
 from nanopt.data.shards import SplitWriter, token_dtype
 from nanopt.data.sources import Source, open_source
@@ -33,8 +34,8 @@ SPLITS = ("train", "val", "test")
 BUILTIN_VOCAB_SIZE = 4096  # see TokenizeSettings.vocab_size
 BUILTIN_HELD_OUT_FRACTION = 0.05  # ~2x the demo eval (65536 tokens) in val and test
 HELD_OUT_FRACTION = 0.005
-# Batches are also capped by bytes: a few huge documents must not blow up memory, and measured on the built-in
-# corpus, 8 MiB batches let glibc's heap grow with the corpus (+28% peak RSS at 5x) where 1 MiB stays flat.
+# Batches are also capped by bytes: the tokenizer's work space is ~100 bytes per byte of text, so this bounds memory
+# whatever the document sizes (8 MiB batches peaked at ~600 MiB on the built-in corpus, 1 MiB at ~230 MiB).
 MAX_BATCH_BYTES = 1 << 20
 ENCODE_AHEAD = 2  # batches being encoded while the main thread reads and writes
 
@@ -117,6 +118,7 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
                                                                 given.text_column, given.sample_by)
     opts = given.resolved(src)
     reporter = progress or ProgressReporter()
+    fix_mmap_threshold()
     started = time.monotonic()
     with staging_dir(out) as root:
         named = _prepare_tokenizer(src, opts, reporter)
@@ -209,8 +211,8 @@ class _Run:
         started = time.monotonic()
         try:
             self.reporter.phase("tokenizing")
-            for batch, encodings in _encode_ahead(self._batches(), self.named.tokenizer):
-                if self._write(batch, [e.ids for e in encodings]):
+            for batch, ids in _encode_ahead(self._batches(), self.named.tokenizer):
+                if self._write(batch, ids):
                     self.stopped_at_budget = True
                     break
             self.shards = {split: writer.close() for split, writer in self.writers.items()}
@@ -312,14 +314,20 @@ class _Run:
                 "stopped_at_budget": self.stopped_at_budget}
 
 
-def _encode_ahead(batches: Iterator[_Batch], tokenizer: Any) -> Iterator[tuple[_Batch, list]]:
-    """Yield (batch, encodings) in order while the next batches encode on the tokenizers thread pool."""
+def _encode_ahead(batches: Iterator[_Batch], tokenizer: Any) -> Iterator[tuple[_Batch, list[list[int]]]]:
+    """Yield (batch, token ids per document) in order while the next batches encode on worker threads."""
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no character offsets: faster
+
+    def encode_ids(texts: list[str]) -> list[list[int]]:
+        # Taking the ids here frees the Encoding objects (~90 bytes per token) as soon as possible, and moves that
+        # work off the main thread, which meanwhile reads and hashes the next batch.
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+
     with ThreadPoolExecutor(max_workers=ENCODE_AHEAD, thread_name_prefix="nanopt-encode") as pool:
         pending: deque = deque()
         try:
             for batch in batches:
-                pending.append((batch, pool.submit(encode, batch.texts, add_special_tokens=False)))
+                pending.append((batch, pool.submit(encode_ids, batch.texts)))
                 if len(pending) > ENCODE_AHEAD:
                     done, future = pending.popleft()
                     yield done, future.result()
