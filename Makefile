@@ -1,6 +1,7 @@
 # nanopt: `make demo` runs the whole lifecycle on the CPU; `make test` runs the test suite.
-# Everything installs into .venv. On a machine without an NVIDIA GPU torch comes as the small CPU build;
-# with one (nvidia-smi works), as the normal CUDA build from PyPI.
+# Everything installs into .venv. On a machine without an NVIDIA GPU torch comes as the small CPU build (from a
+# local wheelhouse in pip's find-links if it has one, else PyTorch's CPU index); with one (nvidia-smi works), as the
+# normal CUDA build from PyPI.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -31,8 +32,12 @@ $(VENV)/.installed: pyproject.toml
 		$(PIP) install -q "torch==$(TORCH_VERSION)"; \
 	else \
 		echo "No NVIDIA GPU: installing the CPU build of torch"; \
-		$(PIP) install -q --no-index "torch==$(TORCH_VERSION)" 2>/dev/null || \
-		$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+		if $(PIP) install -q --dry-run --no-deps --no-index "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+			$(PIP) install -q "torch==$(TORCH_VERSION)"; \
+		else \
+			$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
+				--extra-index-url https://pypi.org/simple; \
+		fi; \
 	fi
 	$(PIP) install -q -e ".[dev]"
 	touch $@
