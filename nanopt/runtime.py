@@ -85,6 +85,20 @@ def init_runtime(precision: str = "auto", timeout_s: int = DEFAULT_PG_TIMEOUT_S)
                    precision=resolve_precision(precision, device))
 
 
+def quiesce(rt: Runtime) -> None:
+    """A last barrier, entered by every rank together, before the process group is torn down.
+
+    Gloo's worker thread frees a finished collective's tensors after the caller has moved on, and needs the GIL to
+    do so; if the process group's destructor (run with the GIL held, e.g. when the DDP model is freed) joins that
+    thread first, the process hangs at exit and torchrun waits for it. After a barrier no such work is pending.
+    """
+    if rt.distributed and dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer is already gone; the outcome is decided, nothing left to protect
+            pass
+
+
 def shutdown(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
         dist.destroy_process_group()

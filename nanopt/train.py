@@ -37,6 +37,7 @@ from nanopt.runtime import (
     all_reduce_sum_,
     broadcast_object,
     init_runtime,
+    quiesce,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -96,7 +97,13 @@ def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
     try:
         session = setup(run, rt, opts)
         with _preemption_handler(session):
-            return loop(session)
+            try:
+                summary = loop(session)
+            except NanoptError:  # decided on every rank together (diverged, disk full), so all can still meet
+                quiesce(rt)
+                raise
+            quiesce(rt)
+            return summary
     finally:
         shutdown(rt)
 
