@@ -17,7 +17,7 @@ import torch
 
 from nanopt import checkpoint as ckpt
 from nanopt.config import RunConfig
-from nanopt.errors import CheckpointError, NanoptError
+from nanopt.errors import CheckpointError, DistributedError, NanoptError
 from nanopt.evaluate import evaluate_loss
 from nanopt.flops import count_params, flops_per_token
 from nanopt.metrics import MetricsLog, SpikeMonitor, peak_flops_for, peak_memory_bytes, write_loss_chart
@@ -102,10 +102,30 @@ def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
             except NanoptError:  # decided on every rank together (diverged, disk full), so all can still meet
                 quiesce(rt)
                 raise
+            except RuntimeError as exc:
+                if rt.distributed and _lost_peer(exc):
+                    raise _peer_error(session, exc) from None
+                raise
             quiesce(rt)
             return summary
     finally:
         shutdown(rt)
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """A collective that failed because another rank died, hung past the timeout or dropped off the network."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or "gloo" in str(exc) or "NCCL" in str(exc)
+
+
+def _peer_error(s: Session, exc: RuntimeError) -> DistributedError:
+    detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    latest = ckpt.read_pointer(ckpt.checkpoints_dir(s.run.run_dir), "latest") or "none yet"
+    return DistributedError(f"rank {s.rt.rank} lost contact with another rank at step {s.state.step} ({detail})",
+                            f"another rank died or hung (its own error says why; the wait is capped by "
+                            f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {latest}): run the same "
+                            "command to resume")
 
 
 # ------------------------------------------------------------------------------------------------- setup
