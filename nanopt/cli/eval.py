@@ -65,9 +65,9 @@ def eval_command(
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        from nanopt.cli.train import _exec_torchrun
+        from nanopt.cli.train import run_torchrun
 
-        _exec_torchrun(nproc_per_node, 1, 0, None)
+        run_torchrun(nproc_per_node, 1, 0, None)
     from nanopt import compare
     from nanopt.evaluation import DEFAULT_PROMPTS, EvalOptions, SampleSettings, evaluate_runs
 
