@@ -89,7 +89,8 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         hint = "free disk space or fix permissions; earlier checkpoints and 'latest' are intact"
-        raise CheckpointError(f"could not write checkpoint {final}: {getattr(exc, 'strerror', None) or exc}", hint) from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise CheckpointError(f"could not write checkpoint {final}: {reason}", hint) from None
     return final
 
 
@@ -194,9 +195,12 @@ def verify(path: Path) -> Checkpoint:
 
 
 def newest_valid(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint that passes verification, and a note for each newer one that did not."""
+    """The newest checkpoint that passes verification, and a note for each newer one that did not (a step
+    directory without meta.json included: nanopt never leaves one, so something damaged it)."""
     skipped: list[str] = []
-    for path in reversed(complete_checkpoints(run_dir)):
+    root = checkpoints_dir(run_dir)
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")) if root.is_dir() else []
+    for path in reversed(steps):
         try:
             return verify(path), skipped
         except CheckpointError as exc:
