@@ -221,14 +221,23 @@ def resolve(run_dir: Path, which: str) -> Checkpoint:
         if name is None:
             raise CheckpointError(f"{run_dir}: no 'best' checkpoint yet (it needs an in-loop eval)",
                                   "use --checkpoint latest")
-        return verify(root / name)
-    path = Path(which)
-    if not path.is_dir():
-        path = root / which
+        return verify(_named(root, name))
+    if Path(which).is_dir():  # a path the user typed (absolute or from the current directory) that exists
+        return verify(Path(which))
+    path = _named(root, which)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{which}' does not exist", f"choose latest, best or one of "
                               f"{[p.name for p in complete_checkpoints(run_dir)][-3:]}")
     return verify(path)
+
+
+def _named(root: Path, name: str) -> Path:
+    """A checkpoint name is looked up inside checkpoints/ only: '..' or '/' would read another directory."""
+    if len(Path(name).parts) != 1 or name in (".", ".."):
+        raise CheckpointError(f"checkpoint '{name}' does not exist (a name is looked up in {root} only, without "
+                              "'/' or '..')", "give a name such as step-000600, latest or best, or the path of a "
+                              "checkpoint directory that exists")
+    return root / name
 
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
