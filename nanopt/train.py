@@ -20,7 +20,14 @@ from nanopt.config import RunConfig
 from nanopt.errors import CheckpointError, DistributedError, NanoptError
 from nanopt.evaluate import evaluate_loss
 from nanopt.flops import count_params, flops_per_token
-from nanopt.metrics import MetricsLog, SpikeMonitor, peak_flops_for, peak_memory_bytes, write_loss_chart
+from nanopt.metrics import (
+    MetricsLog,
+    SpikeMonitor,
+    peak_flops_for,
+    peak_memory_bytes,
+    read_metrics,
+    write_loss_chart,
+)
 from nanopt.optim import build_optimizer, lr_at, set_lr
 from nanopt.parallel import (
     Prepared,
@@ -196,8 +203,21 @@ def maybe_resume(s: Session) -> None:
     st.skipped_steps = int(found.meta.get("skipped_steps", 0))
     st.last_checkpoint_step = found.step
     s.metrics.truncate_after(found.step)
+    _restore_spike_history(s, found.step)
     s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
     s.display.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
+
+
+def _restore_spike_history(s: Session, step: int) -> None:
+    """Give the spike monitor the losses logged before the checkpoint. A resume with a changed learning rate is
+    when a spike is most likely, and a fresh monitor would be blind for its first `min_history` steps."""
+    if s.spikes is None or not s.rt.is_main:  # only rank 0 reports spikes
+        return
+    for record in read_metrics(s.run.run_dir):
+        loss = record.get("loss")
+        if record.get("kind") == "train" and record.get("step", 0) <= step and isinstance(loss, float):
+            if math.isfinite(loss):
+                s.spikes.history.append(loss)  # a bounded deque: the last `window` losses stay
 
 
 def _find_checkpoint(s: Session) -> ckpt.Checkpoint | None:
