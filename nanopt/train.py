@@ -7,6 +7,7 @@ same collectives.
 
 from __future__ import annotations
 
+import errno
 import math
 import signal
 import time
@@ -113,6 +114,10 @@ def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
                 if rt.distributed and _lost_peer(exc):
                     raise _peer_error(session, exc) from None
                 raise
+            except OSError as exc:  # metrics.jsonl and loss.png meet a full disk first: they are written most often
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+                    raise
+                raise _disk_error(session, exc) from None
             quiesce(rt)
             return summary
     finally:
@@ -133,6 +138,13 @@ def _peer_error(s: Session, exc: RuntimeError) -> DistributedError:
                             f"another rank died or hung (its own error says why; the wait is capped by "
                             f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {latest}): run the same "
                             "command to resume")
+
+
+def _disk_error(s: Session, exc: OSError) -> NanoptError:
+    latest = ckpt.read_pointer(ckpt.checkpoints_dir(s.run.run_dir), "latest") or "none yet"
+    return NanoptError(f"could not write {exc.filename or 'into ' + str(s.run.run_dir)} at step {s.state.step}: "
+                       f"{exc.strerror}", f"free disk space; complete checkpoints are kept (latest: {latest}): run "
+                       "the same command to resume")
 
 
 # ------------------------------------------------------------------------------------------------- setup
