@@ -155,7 +155,7 @@ def report(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    out = Console()
+    out = Console(width=120)
     t = result["throughput"]
     table = Table(title=f"tokens/s over the built-in corpus ({t['documents']} documents, {t['tokens']:,} tokens, "
                         f"batches of {t['batch_size']}, best of {t['rounds']} rounds)", title_justify="left")
