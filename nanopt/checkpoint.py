@@ -82,7 +82,7 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1), encoding="utf-8")
         _fsync_dir_files(tmp)
         if final.exists():  # a re-run of the same step (e.g. after a crash between rename and pointer)
-            shutil.rmtree(final)
+            _remove(final)
         tmp.rename(final)
         _fsync(root)
         write_pointer(root, "latest", final.name)
@@ -160,8 +160,20 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
     complete = complete_checkpoints(run_dir)
     doomed = [p for p in complete[:-max(1, keep)] if p.name not in protected]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     return doomed
+
+
+def _remove(path: Path) -> None:
+    """Delete a step directory by renaming it out of the step-* names first: a process killed while deleting
+    leaves a `.tmp-*` that the next start removes, never a half-deleted checkpoint that looks damaged."""
+    doomed = path.with_name(f".tmp-delete-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        path.rename(doomed)
+    except OSError:  # gone already, or not ours to move: delete in place as before
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
