@@ -1,6 +1,6 @@
 """Benchmark `nanopt tokenize`: throughput against the tokenizers library itself, and peak memory against corpus size.
 
-Throughput, over the same in-memory documents (the built-in corpus) and the same trained 4096-token BPE:
+Throughput, over the same in-memory documents (the built-in corpus) and the same trained BPE (the built-in default):
   (a) a plain single-core loop of `Tokenizer.encode`,
   (b) the library's own `encode_batch` (one call over every document, and in batches of the pipeline's size;
       the faster of the two is the reference), and `encode_batch_fast` for context,
@@ -37,9 +37,11 @@ def stdlib_documents() -> list[str]:
 
 
 def train_tokenizer(docs: list[str], path: Path) -> Any:
+    """The BPE `nanopt tokenize` trains for the built-in corpus by default (same vocabulary size)."""
+    from nanopt.data.pipeline import BUILTIN_VOCAB_SIZE
     from nanopt.tokenizer import save_tokenizer, train_bpe
 
-    named = train_bpe(docs, 4096)
+    named = train_bpe(docs, BUILTIN_VOCAB_SIZE)
     save_tokenizer(named, path)
     return named.tokenizer
 
