@@ -42,7 +42,7 @@ def tokenize_command(
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="Hugging Face tokenizer name (e.g. gpt2) or "
                                                                    "a local tokenizer.json / directory."),
     vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a byte-level BPE of this size instead "
-                                                                     "(built-in corpus default: 4096)."),
+                                                                     "(built-in corpus default: 1024)."),
     eos_token: str | None = typer.Option(None, "--eos-token", help="End-of-text token of a loaded tokenizer, "
                                                                    "when it cannot be detected."),
     tokenizer_sample_mb: int = typer.Option(64, "--tokenizer-sample-mb", help="Train the BPE on the first this "

@@ -31,7 +31,7 @@ from nanopt.errors import ConfigError, DataError
 from nanopt.tokenizer import NamedTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 SPLITS = ("train", "val", "test")
-BUILTIN_VOCAB_SIZE = 4096  # see TokenizeSettings.vocab_size
+BUILTIN_VOCAB_SIZE = 1024  # see TokenizeSettings.vocab_size
 BUILTIN_HELD_OUT_FRACTION = 0.05  # ~2x the demo eval (65536 tokens) in val and test
 HELD_OUT_FRACTION = 0.005
 # Batches are also capped by bytes: the tokenizer's work space is ~100 bytes per byte of text, so this bounds memory
@@ -49,9 +49,9 @@ class TokenizeSettings:
     text_column: str = "text"
     sample_by: str = "document"  # text files: one document per file, paragraph or line
     tokenizer: str | None = None  # a Hugging Face name or local tokenizer.json; None trains a byte-level BPE
-    # Trained BPE size. The built-in corpus defaults to 4096: the demo model is tiny (hidden 128), so a larger
-    # vocabulary would put most of its parameters in the embedding and leave rare tokens untrained; 4096 still
-    # gives ~3.5 bytes per token on Python source, and uint16 shards.
+    # Trained BPE size. The built-in corpus defaults to 1024 for the CPU demo (hidden 128): a larger vocabulary puts
+    # the demo's compute into the output head (at 4096 it was a third of the step) and leaves rare tokens
+    # untrained; 1024 still gives ~2.6 bytes per token on Python source.
     vocab_size: int | None = None
     eos_token: str | None = None  # for loaded tokenizers whose end-of-text token cannot be detected
     tokenizer_sample_bytes: int = 64 << 20  # train the BPE on the first this-many bytes of training documents
