@@ -40,7 +40,7 @@ class Display:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text, markup=False)
+            self.console.print(text, markup=False, soft_wrap=True)
 
     def log(self, r: dict[str, Any], val_loss: float | None, total_steps: int) -> None:
         if not self.enabled:
@@ -48,7 +48,7 @@ class Display:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}")
-        self.console.print(line, markup=False)
+        self.console.print(line, markup=False, soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.task, completed=r["step"],
                                  description=f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
