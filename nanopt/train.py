@@ -98,6 +98,12 @@ class Session:
     preempt_requested: bool = False
 
 
+# Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
+# that destructor can join a gloo thread which needs the GIL: the process then hangs after a finished run. Under
+# torchrun a finished session stays referenced here and the CLI leaves with os._exit (see nanopt.cli.app.main).
+_keep_until_exit: list[Session] = []
+
+
 def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
     """Train a run directory to its budget, resuming if asked; returns the end-of-run summary (on every rank)."""
     opts = opts or TrainOptions()
@@ -119,6 +125,8 @@ def train(run: RunConfig, opts: TrainOptions | None = None) -> dict[str, Any]:
                     raise
                 raise _disk_error(session, exc) from None
             quiesce(rt)
+            if rt.distributed:
+                _keep_until_exit.append(session)
             return summary
     finally:
         shutdown(rt)

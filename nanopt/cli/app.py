@@ -56,11 +56,31 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; a user error prints one line with its hint and exits 2, without a traceback."""
     try:
         app(args=argv, prog_name="nanopt")
+        code = 0
+    except SystemExit as exc:  # typer's own exits: --help, usage errors, typer.Exit
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
     except NanoptError as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises; one line is enough
             Console(stderr=True, highlight=False, soft_wrap=True).print(
                 f"[bold red]error:[/] {escape(exc.one_line())}", markup=True)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")
-        sys.exit(130)
+        code = 130
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Exit; a torchrun worker leaves without running destructors (os._exit).
+
+    A gloo process group's destructor can block forever joining a thread that needs the GIL it holds (see
+    nanopt.train). By now every checkpoint, metric and result is written and closed, so skipping the
+    interpreter's clean-up loses nothing; only the streams need flushing.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
