@@ -1,0 +1,158 @@
+"""Helpers for the fault and user-error tests: a warm launcher for `nanopt` commands, a tiny run, and a digest of
+a directory tree.
+
+The launcher forks each command from a process that has already imported torch and nanopt (as a fork server does)
+and calls the same entry point as `python -m nanopt`. A test that restarts `nanopt train` dozens of times then
+spends its time on training and faults instead of a 3 s import per start. Each command is a real process with its
+own signals, file descriptors, resource limits and exit status; its stdout and stderr go to files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from clihelp import REPO
+from trainhelp import make_run
+
+HANG_GUARD_S = 120  # only against a hung test; no assertion is about time
+TINY_MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_position_embeddings": 16}
+# 40 steps with a checkpoint every 2, so kills land in and around checkpoint writes; eval every 20 exercises the
+# `best` pointer and loss.png writes too. 1 rank: accumulation 2; 2 ranks: accumulation 1.
+TINY_TRAIN = {"micro_batch_size": 2, "global_batch_tokens": 64, "max_steps": 40, "checkpoint_interval": 2,
+              "keep_checkpoints": 3, "eval_interval": 20, "eval_tokens": 256, "warmup_steps": 3}
+
+
+def tiny_run(root: Path, dataset: Path, name: str, **train) -> Path:
+    """A run directory with a model small enough that 40 steps take about a second on a CPU."""
+    return make_run(root, dataset, name, model=TINY_MODEL, **{**TINY_TRAIN, **train})
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """Every file under `path` with its sha256, or {} when it does not exist: to show nothing was written."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+LAUNCHER = r"""
+import json, os, resource, signal, sys, traceback
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot  # noqa: F401  (loss.png)
+import nanopt.cli, nanopt.train  # noqa: F401  (what every child would import again)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        if request.get("fsize"):  # a disk that refuses writes past this size: EFBIG instead of SIGXFSZ
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
+        sys.argv = ["nanopt", *request["argv"]]
+        code = 0
+        try:
+            nanopt.cli.main(request["argv"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+@dataclass
+class Child:
+    pid: int
+    out: Path
+    err: Path
+    status: int | None = None
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+
+class Launcher:
+    """Forks one `nanopt` command at a time from the warm process and reports its exit status."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        # One thread per process, as torchrun gives each rank: a model this small runs several times faster so,
+        # and two threads per run would contend with the test and other jobs for two cores.
+        env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._next()["ready"]
+        self.count = 0
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+
+    def _next(self, timeout: float = HANG_GUARD_S) -> dict:
+        return self.lines.get(timeout=timeout)
+
+    def start(self, *argv: object, fsize: int | None = None) -> Child:
+        self.count += 1
+        child = Child(0, self.logs / f"{self.count}.out", self.logs / f"{self.count}.err")
+        request = {"argv": [str(a) for a in argv], "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        child.pid = self._next()["pid"]
+        return child
+
+    def finished(self, child: Child) -> bool:
+        """Whether the child has exited (without waiting)."""
+        if child.status is None:
+            try:
+                child.status = self.lines.get_nowait()["status"]
+            except queue.Empty:
+                return False
+        return True
+
+    def wait(self, child: Child, timeout: float = HANG_GUARD_S) -> int:
+        if child.status is None:
+            try:
+                child.status = self._next(timeout)["status"]
+            except queue.Empty:  # hung: end it, then fail with what it said
+                os.kill(child.pid, signal.SIGKILL)
+                child.status = self._next()["status"]
+                raise AssertionError(f"the nanopt process {child.pid} did not end within {timeout} s; stderr:\n"
+                                     f"{child.stderr[-3000:]}") from None
+        return child.status
+
+    def run(self, *argv: object, fsize: int | None = None) -> Child:
+        child = self.start(*argv, fsize=fsize)
+        self.wait(child)
+        return child
+
+    def train(self, run: Path, *args: str) -> Child:
+        child = self.run("train", run, "--no-live", *args)
+        assert child.status == 0, child.stderr[-3000:]
+        return child
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
