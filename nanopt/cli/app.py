@@ -53,23 +53,26 @@ def not_built(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; a user error prints one line with its hint and exits 2, without a traceback."""
+    """Entry point: run the app; a user error prints one line with its hint and exits 2, without a traceback.
+
+    Each branch leaves from inside its handler: the exception's traceback still holds the training session there,
+    and freeing it is what can hang a torchrun worker (see `_leave`).
+    """
     try:
         app(args=argv, prog_name="nanopt")
-        code = 0
     except SystemExit as exc:  # typer's own exits: --help, usage errors, typer.Exit
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
+        _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except NanoptError as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises; one line is enough
             Console(stderr=True, highlight=False, soft_wrap=True).print(
                 f"[bold red]error:[/] {escape(exc.one_line())}", markup=True)
-        code = 2
+        _leave(2)
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")
-        code = 130
-    _leave(code)
+        _leave(130)
+    _leave(0)
 
 
 def _leave(code: int) -> None:
