@@ -11,7 +11,6 @@ import datetime
 import os
 import random
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,15 +90,13 @@ def quiesce(rt: Runtime) -> None:
 
     Gloo's worker thread frees a finished collective's tensors after the caller has moved on, and needs the GIL to
     do so; if the process group's destructor (run with the GIL held, e.g. when the DDP model is freed) joins that
-    thread first, the process hangs at exit and torchrun waits for it. After a barrier no such work is pending; a
-    short sleep without the GIL lets a worker thread that the OS had paused under load finish freeing one.
+    thread first, the process hangs at exit and torchrun waits for it. After a barrier no such work is pending.
     """
     if rt.distributed and dist.is_initialized():
         try:
             dist.barrier()
         except RuntimeError:  # a peer is already gone; the outcome is decided, nothing left to protect
-            return
-        time.sleep(0.05)
+            pass
 
 
 def shutdown(rt: Runtime) -> None:
