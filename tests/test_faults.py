@@ -367,11 +367,19 @@ def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
     """The training processes torchrun started (children of the `nanopt train --nproc-per-node` process)."""
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
-        workers = [c for c in psutil.Process(proc.pid).children() if "nanopt" in " ".join(c.cmdline())]
+        workers = [c for c in psutil.Process(proc.pid).children() if _is_worker(c)]
         if len(workers) == 2:
             return sorted(workers, key=lambda w: w.pid)
         time.sleep(0.05)
     raise AssertionError("torchrun did not start two workers")
+
+
+def _is_worker(child: psutil.Process) -> bool:
+    # Between fork and exec a child still shows its parent's command line and environment (no RANK yet).
+    try:
+        return "nanopt" in " ".join(child.cmdline()) and "RANK" in child.environ()
+    except psutil.Error:  # gone, or not yet readable
+        return False
 
 
 def rank_of(worker: psutil.Process) -> int:
