@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,3 +70,33 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) ->
     out = tmp_path_factory.mktemp("data") / "tiny"
     build_dataset(out, str(tiny_corpus), **TINY_SETTINGS)
     return out
+
+
+@pytest.fixture
+def cli_in_process(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """The CLI entry point run in this process: no torch import per call, so many cases stay fast."""
+    from nanopt.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(*args: object) -> SimpleNamespace:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory):
+    """A process that has imported torch once and forks each `nanopt` command (see tests/faulthelp.py)."""
+    from faulthelp import Launcher
+
+    warm = Launcher(tmp_path_factory.mktemp("logs"))
+    yield warm
+    warm.close()

@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,23 +40,8 @@ def eval_json(*args: object, timeout: float = 120) -> dict:
 
 
 @pytest.fixture
-def cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    """The same CLI entry point run in this process: no torch import per call, so many cases stay fast."""
-    from nanopt.cli import main
-
-    monkeypatch.setenv("COLUMNS", "200")
-
-    def run(*args: object) -> SimpleNamespace:
-        capsys.readouterr()
-        try:
-            main([str(a) for a in args])
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
+def cli(cli_in_process):
+    return cli_in_process
 
 
 def in_process_json(cli, *args: object) -> dict:

@@ -34,13 +34,6 @@ STOPPED_EARLY = 75  # nanopt's exit status for a run stopped by SIGTERM / SIGINT
 
 
 @pytest.fixture(scope="module")
-def launcher(tmp_path_factory: pytest.TempPathFactory):
-    warm = Launcher(tmp_path_factory.mktemp("logs"))
-    yield warm
-    warm.close()
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> Path:
     """The uninterrupted single-process run every scenario is compared with."""
     run = tiny_run(tmp_path_factory.mktemp("reference"), tiny_dataset, "reference")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -30,7 +31,7 @@ def test_cosine_reaches_the_floor_exactly_at_the_last_step_and_is_monotone():
     lrs = [lr_at(s, 1000, c) for s in range(100, 1000)]
     assert lrs[0] == pytest.approx(1e-3)
     assert lrs[-1] == pytest.approx(1e-4)
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     midpoint = 100 + (999 - 100) / 2
     assert lr_at(int(midpoint), 1000, c) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.4994)),
                                                           rel=1e-3)

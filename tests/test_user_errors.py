@@ -305,13 +305,6 @@ CASES = [estimate_malformed_json, estimate_impossible_shape, estimate_unknown_gp
 
 
 @pytest.fixture(scope="module")
-def launcher(tmp_path_factory: pytest.TempPathFactory):
-    warm = Launcher(tmp_path_factory.mktemp("logs"))
-    yield warm
-    warm.close()
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> Path:
     """A finished 40-step run with checkpoints at 20 and 40 and no in-loop eval (so no `best`)."""
     run = tiny_run(tmp_path_factory.mktemp("trained"), tiny_dataset, "trained", checkpoint_interval=20,
@@ -335,25 +328,6 @@ def other_tokenizer(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> P
     return out
 
 
-@pytest.fixture
-def in_process(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    from nanopt.cli import main
-
-    monkeypatch.setenv("COLUMNS", "200")
-
-    def run(*args: object) -> SimpleNamespace:
-        capsys.readouterr()
-        try:
-            main([str(a) for a in args])
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
-
-
 def snapshot(paths: list[Path]) -> dict[str, dict[str, str] | bool]:
     """Each path's files and their hashes, and whether the path exists at all."""
     return {str(p): tree_digest(p) if p.is_dir() else p.exists() for p in paths}
@@ -362,7 +336,7 @@ def snapshot(paths: list[Path]) -> dict[str, dict[str, str] | bool]:
 @pytest.mark.parametrize("make_case", CASES, ids=[c.__name__ for c in CASES])
 def test_user_mistake_is_one_line_exit_2_and_writes_nothing(make_case, tmp_path: Path, tiny_dataset: Path,
                                                             trained: Path, other_tokenizer: Path, corpus: Path,
-                                                            launcher: Launcher, in_process):
+                                                            launcher: Launcher, cli_in_process):
     world = World(tmp_path, tiny_dataset, trained, other_tokenizer, corpus)
     case = make_case(world)
     watched = [tmp_path, tiny_dataset, trained, other_tokenizer, corpus.parent, *case.watch]
@@ -373,7 +347,7 @@ def test_user_mistake_is_one_line_exit_2_and_writes_nothing(make_case, tmp_path:
     elif case.runner == "subprocess":
         result = run_cli(*case.argv, timeout=180)
     else:
-        result = in_process(*case.argv)
+        result = cli_in_process(*case.argv)
     if case.after_start:  # the start-up line, then the error: nothing else
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 2 and "parameters," in lines[0], result.stderr

@@ -94,10 +94,10 @@ def relaunch_under_torchrun(nproc_per_node: int) -> None:
     The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or --max
     as abbreviations of its own (--start-method, --max-restarts) and stops.
     """
-    from nanopt.cli.train import _strip_launcher_options
+    from nanopt.cli.train import strip_launcher_options
 
     args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--standalone",
-            "-m", "nanopt", "--", *_strip_launcher_options(sys.argv[1:])]
+            "-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])]
     os.execv(sys.executable, args)
 
 

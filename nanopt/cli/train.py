@@ -86,7 +86,7 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) 
         args.append("--standalone")
     _quiet_torchrun_logs()
     try:
-        torchrun_main(args + ["-m", "nanopt", *_strip_launcher_options(sys.argv[1:])])
+        torchrun_main(args + ["-m", "nanopt", *strip_launcher_options(sys.argv[1:])])
     except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them
         console(stderr=True).print(f"stopped by {signal.Signals(exc.sigval).name}: run the same command again to "
                                    "continue from the newest checkpoint", soft_wrap=True, markup=False)
@@ -126,7 +126,7 @@ def _error(message: str, hint: str) -> None:
     console(stderr=True).print(f"[bold red]error:[/] {escape(message)}. Hint: {escape(hint)}", soft_wrap=True)
 
 
-def _strip_launcher_options(argv: list[str]) -> list[str]:
+def strip_launcher_options(argv: list[str]) -> list[str]:
     launcher = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
     out, skip = [], False
     for arg in argv:
