@@ -6,7 +6,7 @@
 
 Both sides get the same model shape, micro-batch, sequence length and random tokens, and are timed after
 warm-up (compilation included in warm-up) with a device synchronisation around the timed steps. nanopt runs
-its actual `nanopt.train.step` (compile per train.json, fused AdamW, bf16 autocast, chunked loss); the baseline
+its actual `nanopt.train.loop.step` (compile per train.json, fused AdamW, bf16 autocast, chunked loss); the baseline
 is bench/baseline.py. Prints tokens/s, MFU (PaLM FLOPs against the GPU's dense peak), peak memory and the ratio,
 and the exact command, for bench/RESULTS.md.
 """
@@ -29,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineGPT  # noqa: E402
 
 from nanopt.config import load_run  # noqa: E402
-from nanopt.flops import flops_per_token  # noqa: E402
-from nanopt.metrics import MetricsLog, peak_flops_for, peak_memory_bytes  # noqa: E402
-from nanopt.model import Transformer  # noqa: E402
-from nanopt.optim import build_optimizer  # noqa: E402
-from nanopt.parallel import prepare, resolve_compile  # noqa: E402
-from nanopt.runtime import init_runtime  # noqa: E402
-from nanopt.train import Session, TrainOptions, step  # noqa: E402
-from nanopt.train_display import Display  # noqa: E402
+from nanopt.model.flops import flops_per_token, mfu  # noqa: E402
+from nanopt.model.transformer import Transformer  # noqa: E402
+from nanopt.runtime import MemoryProbe, device_peak_flops, init_runtime  # noqa: E402
+from nanopt.train.events import Silent  # noqa: E402
+from nanopt.train.metrics import MetricsLog  # noqa: E402
+from nanopt.train.optim import build_optimizer  # noqa: E402
+from nanopt.train.parallel import prepare, resolve_compile  # noqa: E402
+from nanopt.train.session import Session, TrainOptions  # noqa: E402
+from nanopt.train.state import TrainState  # noqa: E402
+from nanopt.train.step import step  # noqa: E402
 
 
 class RandomTokens:
@@ -58,11 +60,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_memory(device: torch.device) -> None:
+def reset_memory(device: torch.device) -> MemoryProbe:
+    """A fresh peak-memory probe, measured as nanopt measures it everywhere (reserved + context on CUDA)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    probe = MemoryProbe(device)
+    probe.reset()
+    return probe
 
 
 def time_steps(run_step, warmup: int, steps: int, device: torch.device) -> float:
@@ -77,22 +82,22 @@ def time_steps(run_step, warmup: int, steps: int, device: torch.device) -> float
 
 
 def bench_nanopt(run, rt, args) -> tuple[float, int]:
-    reset_memory(rt.device)
+    probe = reset_memory(rt.device)
     torch.manual_seed(0)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     loader = RandomTokens(run.model.vocab_size, args.micro_batch, run.seq_len, rt.device)
-    session = Session(run=run, rt=rt, opts=TrainOptions(live=False), prepared=prepared, optimizer=optimizer,
-                      loader=loader, dataset=None, accum=1, total_steps=10**9,
-                      metrics=MetricsLog(run.run_dir, enabled=False), display=Display(False, False),
-                      flops_per_token=0, peak_flops=None, peak_source="")
+    session = Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
+                      accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
+                      flops_per_token=0, peak_flops=None, peak_source="", memory=probe,
+                      train_state=TrainState(loader))
     seconds = time_steps(lambda: step(session), args.warmup, args.steps, rt.device)
-    peak = peak_memory_bytes(rt.device)
+    peak = probe.peak()
     return seconds, peak
 
 
 def bench_baseline(run, rt, args) -> tuple[float, int]:
-    reset_memory(rt.device)
+    probe = reset_memory(rt.device)
     torch.manual_seed(0)
     model = BaselineGPT(run.model).to(rt.device)
     fused = rt.device.type == "cuda"
@@ -110,7 +115,7 @@ def bench_baseline(run, rt, args) -> tuple[float, int]:
         optimizer.zero_grad(set_to_none=True)
 
     seconds = time_steps(one_step, args.warmup, args.steps, rt.device)
-    peak = peak_memory_bytes(rt.device)
+    peak = probe.peak()
     return seconds, peak
 
 
@@ -140,7 +145,7 @@ def main() -> None:
                                     global_batch_tokens=args.micro_batch * run.seq_len)
     run = dataclasses.replace(run, train=train_cfg)
     rt = init_runtime(run.train.precision)
-    peak_flops, peak_source = peak_flops_for(rt.device, rt.precision)
+    peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
     fpt = flops_per_token(run.model, run.seq_len)
     tokens = args.micro_batch * run.seq_len
 
@@ -162,8 +167,9 @@ def main() -> None:
     print(f"rounds  : {args.rounds} alternating rounds of {args.steps} timed steps; best round per side")
     for name, (seconds, peak) in results.items():
         tps = tokens / seconds
-        mfu = f"{100 * tps * fpt / peak_flops:.1f}%" if peak_flops else "-"
-        print(f"{name:9s}: {tps:12,.0f} tokens/s  MFU {mfu:>6s}  step {1000 * seconds:8.1f} ms  "
+        utilization = mfu(tps, fpt, 1, peak_flops)
+        mfu_text = f"{100 * utilization:.1f}%" if utilization is not None else "-"
+        print(f"{name:9s}: {tps:12,.0f} tokens/s  MFU {mfu_text:>6s}  step {1000 * seconds:8.1f} ms  "
               f"peak memory {peak / 2**30:6.2f} GiB")
     if "baseline" in results:
         print(f"ratio    : nanopt / baseline = {results['baseline'][0] / results['nanopt'][0]:.2f}x tokens/s")

@@ -35,9 +35,5 @@ class ResumeError(NanoptError):
     """Resuming a run whose settings changed in a way that would silently give a different run."""
 
 
-class NotBuiltError(NanoptError):
-    """A command or option that this version of nanopt does not implement yet."""
-
-
 class DistributedError(NanoptError):
     """A process-group failure: a rank died, timed out or disagreed."""

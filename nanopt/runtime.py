@@ -1,4 +1,8 @@
-"""Where and how a process runs: device, dtype, seeding, the torchrun environment and process groups.
+"""Where and how a process runs: device, dtype, seeding, ranks, process groups, and what the device holds.
+
+The only reader of torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): `ranks()` answers without importing
+torch, so the CLI can ask which rank it is on its fast paths. Torch is imported inside the functions that need
+it for the same reason.
 
 Every collective helper here is entered by every rank; callers never put them behind a rank-dependent `if`.
 """
@@ -10,19 +14,42 @@ import contextlib
 import datetime
 import os
 import random
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nanopt.errors import ConfigError
+from nanopt.hardware import detect_gpu
 
-# A rank that waits longer than this at a collective is told so instead of hanging until the job is killed.
-DEFAULT_PG_TIMEOUT_S = int(os.environ.get("NANOPT_PG_TIMEOUT_S", "600"))
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_PG_TIMEOUT_S = 600
+
+
+def pg_timeout_s() -> int:
+    """How long a rank waits at a collective before it is told so instead of hanging until the job is killed."""
+    return int(os.environ.get("NANOPT_PG_TIMEOUT_S", str(DEFAULT_PG_TIMEOUT_S)))
+
+
+class Ranks(NamedTuple):
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def ranks() -> Ranks:
+    """This process's place under torchrun; (0, 0, 1) outside it."""
+    return Ranks(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+                 int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def under_torchrun() -> bool:
+    """True inside a worker that torchrun started (the launcher itself sees no WORLD_SIZE)."""
+    return "WORLD_SIZE" in os.environ
 
 
 @dataclass(frozen=True)
@@ -43,21 +70,21 @@ class Runtime:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
+        import torch
+
         return torch.bfloat16 if self.precision == "bf16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        import torch
+
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
 
-def torchrun_env() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from the variables torchrun sets; (0, 0, 1) outside torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world
-
-
 def resolve_precision(requested: str, device: torch.device) -> str:
+    import torch
+
     if requested == "auto":
         bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return "bf16" if bf16_ok else "fp32"
@@ -67,9 +94,13 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
-def init_runtime(precision: str = "auto", timeout_s: int = DEFAULT_PG_TIMEOUT_S) -> Runtime:
+def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runtime:
     """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU)."""
-    rank, local_rank, world = torchrun_env()
+    import torch
+    import torch.distributed as dist
+
+    rank, local_rank, world = ranks()
+    timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -92,6 +123,8 @@ def quiesce(rt: Runtime) -> None:
     do so; if the process group's destructor (run with the GIL held, e.g. when the DDP model is freed) joins that
     thread first, the process hangs at exit and torchrun waits for it. After a barrier no such work is pending.
     """
+    import torch.distributed as dist
+
     if rt.distributed and dist.is_initialized():
         try:
             dist.barrier()
@@ -100,11 +133,16 @@ def quiesce(rt: Runtime) -> None:
 
 
 def shutdown(rt: Runtime) -> None:
+    import torch.distributed as dist
+
     if rt.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -118,11 +156,16 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def _unb64(text: str) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
 def rng_state() -> dict[str, Any]:
     """Every RNG a training step can touch, JSON-serializable (no pickle in checkpoints)."""
+    import numpy as np
+    import torch
+
     np_state = np.random.get_state()
     state = {"python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
              "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
@@ -133,6 +176,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -149,6 +195,9 @@ def all_reduce_max(rt: Runtime, value: float) -> float:
     """The maximum of a scalar over ranks: how every rank reaches the same decision (stop, skip, save)."""
     if not rt.distributed:
         return value
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor([value], dtype=torch.float64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -156,6 +205,8 @@ def all_reduce_max(rt: Runtime, value: float) -> float:
 
 def all_reduce_sum_(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     if rt.distributed:
+        import torch.distributed as dist
+
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
@@ -163,6 +214,8 @@ def all_reduce_sum_(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
 def all_gather_object(rt: Runtime, obj: Any) -> list[Any]:
     if not rt.distributed:
         return [obj]
+    import torch.distributed as dist
+
     gathered: list[Any] = [None] * rt.world_size
     dist.all_gather_object(gathered, obj)
     return gathered
@@ -172,6 +225,8 @@ def broadcast_object(rt: Runtime, obj: Any) -> Any:
     """Rank 0's value on every rank."""
     if not rt.distributed:
         return obj
+    import torch.distributed as dist
+
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -179,19 +234,102 @@ def broadcast_object(rt: Runtime, obj: Any) -> Any:
 
 def barrier(rt: Runtime) -> None:
     if rt.distributed:
+        import torch.distributed as dist
+
         dist.barrier()
 
 
-def rank0_print(rt: Runtime, *args: Any) -> None:
-    if rt.is_main:
-        print(*args, file=sys.stderr, flush=True)
+# ------------------------------------------------------------------------------------- what the device holds
 
 
-@contextlib.contextmanager
-def main_process_first(rt: Runtime) -> Iterator[None]:
-    """Rank 0 does the work first (e.g. creating a directory); the others follow after a barrier."""
-    if not rt.is_main:
-        barrier(rt)
-    yield
-    if rt.is_main:
-        barrier(rt)
+def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table), and where it came from."""
+    if device.type != "cuda":
+        return None, "no peak for CPUs"
+    import torch
+
+    gpu = detect_gpu(torch.cuda.get_device_name(device))
+    if gpu is None:
+        return None, f"unknown GPU {torch.cuda.get_device_name(device)!r}"
+    return gpu.peak_flops(precision), f"{gpu.name} dense {'TF32' if precision == 'fp32' else 'BF16'} peak"
+
+
+def device_name(device: Any) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+class MemoryProbe:
+    """Peak memory, as nanopt reports it everywhere (train metrics, profile, find-batch, and what the memory model
+    of nanopt.model.memory predicts): on CUDA the caching allocator's peak reserved bytes plus the CUDA context,
+    i.e. what the process holds on the device and what decides an out-of-memory error; on the CPU the process's
+    peak resident set size (VmHWM, which Linux lets a process reset through /proc/self/clear_refs).
+
+    Reserved, not allocated: the allocator keeps freed blocks for reuse, and they count against the device's
+    memory as much as live tensors do. `gpu_memory` caps the device as if it had that many bytes."""
+
+    def __init__(self, device: Any, gpu_memory: int | None = None) -> None:
+        import torch
+
+        self.device = device
+        self.context_bytes = 0
+        self.device_memory_bytes: int | None = None
+        if device.type == "cuda":
+            torch.cuda.init()
+            free, total = torch.cuda.mem_get_info(device)
+            # What the device has lost before our first tensor: the CUDA context (and any other process on it).
+            self.context_bytes = max(0, total - free - torch.cuda.memory_reserved(device))
+            self.device_memory_bytes = total
+            if gpu_memory is not None:
+                fraction = (gpu_memory - self.context_bytes) / total
+                torch.cuda.set_per_process_memory_fraction(min(1.0, max(0.001, fraction)), device)
+
+    def reset(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_rss_peak()
+
+    def current(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_reserved(self.device)) + self.context_bytes
+        return _rss_bytes("VmRSS")
+
+    def peak(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes
+        return _rss_bytes("VmHWM")
+
+
+def _reset_rss_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5": reset the peak RSS to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # elsewhere the peak is the process's, which is a fresh process per trial outside torchrun
+
+
+def _rss_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024

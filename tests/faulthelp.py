@@ -47,7 +47,7 @@ import json, os, resource, signal, sys, traceback
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: F401  (loss.png)
-import nanopt.cli, nanopt.train  # noqa: F401  (what every child would import again)
+import nanopt.cli, nanopt.train.loop  # noqa: F401  (what every child would import again)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanopt import checkpoint as ckpt
 from nanopt.errors import CheckpointError
+from nanopt.train import checkpoint as ckpt
 
 
 def write(run: Path, step: int) -> Path:
@@ -61,7 +61,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path: Path, damage
 FULL_DISK_SCRIPT = """
 import resource, signal, sys, torch
 from pathlib import Path
-from nanopt import checkpoint as ckpt
+from nanopt.train import checkpoint as ckpt
 from nanopt.errors import CheckpointError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write then fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))

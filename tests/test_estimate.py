@@ -9,9 +9,9 @@ import pytest
 from clihelp import REPO, assert_user_error, run_cli
 
 from nanopt.config import ModelConfig, load_run
-from nanopt.estimate import EstimateOptions, estimate
-from nanopt.flops import count_params, flops_per_token
 from nanopt.hardware import GPUS, parse_size
+from nanopt.model.flops import count_params, flops_per_token
+from nanopt.plan.estimate import EstimateOptions, estimate
 
 PRESETS = sorted(p.name for p in (REPO / "runs").iterdir())
 REQUIRED_KEYS = {"params", "non_embedding_params", "flops_per_token", "chinchilla_tokens", "train_tokens",

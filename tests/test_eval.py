@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from clihelp import assert_user_error, run_cli
 from trainhelp import make_run
 
-from nanopt.compare import ranked
-from nanopt.evaluation import training_seconds
+from nanopt.evaluate.compare import ranked
+from nanopt.evaluate.report import training_seconds
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def direct_test_loss(run: Path, dataset: Path, step_dir: str, tokens: int) -> fl
     from safetensors.torch import load_file
 
     from nanopt.config import ModelConfig
-    from nanopt.model import Transformer
+    from nanopt.model.transformer import Transformer
 
     ckpt = run / "checkpoints" / step_dir
     meta = json.loads((ckpt / "meta.json").read_text())

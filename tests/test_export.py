@@ -11,8 +11,8 @@ import torch
 
 from nanopt.config import ModelConfig
 from nanopt.errors import CheckpointError, ConfigError
-from nanopt.export import export_hf
-from nanopt.model import Transformer
+from nanopt.export.hf import export_hf
+from nanopt.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 

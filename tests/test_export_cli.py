@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_dataset: Path):
     from tokenizers import Tokenizer
 
-    from nanopt.checkpoint import load_model_state, resolve
     from nanopt.config import model_config_from_snapshot
-    from nanopt.model import Transformer
+    from nanopt.model.transformer import Transformer
+    from nanopt.train.checkpoint import load_model_state, resolve
 
     run = make_run(tmp_path, tiny_dataset, max_steps=4, eval_interval=0, checkpoint_interval=4)
     trained = run_cli("train", run, "--no-live", timeout=120)

@@ -28,7 +28,7 @@ from clihelp import REPO
 from faulthelp import HANG_GUARD_S, Child, Launcher, tiny_run, tree_digest
 from trainhelp import eval_losses, final_weights_hash, losses
 
-from nanopt import checkpoint as ckpt
+from nanopt.train import checkpoint as ckpt
 
 STOPPED_EARLY = 75  # nanopt's exit status for a run stopped by SIGTERM / SIGINT after saving (see README)
 

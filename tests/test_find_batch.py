@@ -11,7 +11,7 @@ import torch
 from clihelp import assert_user_error, run_cli
 from trainhelp import make_run
 
-from nanopt.find_batch import agree, search
+from nanopt.plan.find_batch.search import agree, search
 from nanopt.runtime import Runtime
 
 # ------------------------------------------------------------------------------------------------ search

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanopt.config import ModelConfig
-from nanopt.generate import generate
-from nanopt.model import Transformer
+from nanopt.model.generate import generate
+from nanopt.model.transformer import Transformer
 
 
 def tiny_model(architecture: str, max_position_embeddings: int = 64) -> Transformer:

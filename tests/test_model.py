@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from nanopt.config import ModelConfig
-from nanopt.flops import count_params
-from nanopt.model import Transformer, chunked_cross_entropy
+from nanopt.model.flops import count_params
+from nanopt.model.transformer import Transformer, chunked_cross_entropy
 
 
 def tiny(architecture: str, **overrides) -> ModelConfig:

@@ -10,7 +10,7 @@ import torch
 from clihelp import run_cli
 from trainhelp import make_run
 
-from nanopt.profiler import CATEGORIES, DATA_WAIT_LABEL, categorize
+from nanopt.plan.profile import CATEGORIES, DATA_WAIT_LABEL, categorize
 
 SUMMARY_KEYS = {"run", "device", "precision", "compiled", "world_size", "micro_batch_size", "grad_accum", "seq_len",
                 "tokens_per_step", "schedule", "step_time_s", "busy_s", "idle_s", "busy_share", "idle_share",

@@ -17,8 +17,8 @@ from nanopt.data.budget import chinchilla_tokens, parse_token_count, resolve_max
 from nanopt.data.dataset import TokenDataset
 from nanopt.data.pipeline import build_dataset, split_of
 from nanopt.data.sources import HubSource, StdlibSource, TextListSource
+from nanopt.data.tokenizer import load_tokenizer
 from nanopt.errors import ConfigError, DataError
-from nanopt.tokenizer import load_tokenizer
 
 
 def shard_bytes(dataset: Path) -> dict[str, bytes]:
@@ -157,7 +157,7 @@ def test_bad_token_counts_are_config_errors(text: str):
 
 def test_chinchilla_budget_needs_a_run_and_is_20_tokens_per_parameter(tmp_path: Path):
     from nanopt.config import load_run
-    from nanopt.flops import count_params
+    from nanopt.model.flops import count_params
 
     run = Path(__file__).resolve().parents[1] / "runs" / "demo"
     assert resolve_max_tokens("chinchilla", run) == chinchilla_tokens(run)

@@ -17,7 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nanopt.errors import NanoptError, NotBuiltError
+from nanopt.errors import NanoptError
+from nanopt.runtime import ranks
 
 app = typer.Typer(
     name="nanopt",
@@ -48,10 +49,6 @@ def load_run_config(run_dir: Path, sets: list[str] | None):
     return load_run(run_dir, parse_overrides(sets or []))
 
 
-def not_built(command: str) -> None:
-    raise NotBuiltError(f"`nanopt {command}` is not built yet in this version", "see README.md for what works today")
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; a user error prints one line with its hint and exits 2, without a traceback.
 
@@ -65,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             print(exc.code, file=sys.stderr)
         _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except NanoptError as exc:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises; one line is enough
+        if ranks().is_main:  # under torchrun every rank raises; one line is enough
             Console(stderr=True, highlight=False, soft_wrap=True).print(
                 f"[bold red]error:[/] {escape(exc.one_line())}", markup=True)
         _leave(2)
@@ -79,10 +76,10 @@ def _leave(code: int) -> None:
     """Exit; a torchrun worker leaves without running destructors (os._exit).
 
     A gloo process group's destructor can block forever joining a thread that needs the GIL it holds (see
-    nanopt.train). By now every checkpoint, metric and result is written and closed, so skipping the
+    nanopt.train.loop). By now every checkpoint, metric and result is written and closed, so skipping the
     interpreter's clean-up loses nothing; only the streams need flushing.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if ranks().world_size > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

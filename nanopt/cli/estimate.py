@@ -49,8 +49,8 @@ def estimate_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU."""
-    from nanopt.estimate import EstimateOptions, estimate
     from nanopt.hardware import parse_size
+    from nanopt.plan.estimate import EstimateOptions, estimate
 
     run = load_run_config(run_dir, sets) if run_dir is not None else None
     opts = EstimateOptions(

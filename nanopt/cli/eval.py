@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,8 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.launch import launch_if_asked
+from nanopt.runtime import ranks
 
 EPILOG = """
 The test split is never read by training (train) or its in-loop evaluation (val). By default the first
@@ -64,19 +65,17 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
-    if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        from nanopt.cli.train import run_torchrun
-
-        run_torchrun(nproc_per_node, 1, 0, None)
-    from nanopt import compare
-    from nanopt.evaluation import DEFAULT_PROMPTS, EvalOptions, SampleSettings, evaluate_runs
+    launch_if_asked(nproc_per_node)
+    from nanopt.evaluate import compare
+    from nanopt.evaluate.report import EvalOptions, evaluate_runs
+    from nanopt.evaluate.samples import DEFAULT_PROMPTS, SampleSettings
 
     samples = None if no_samples else SampleSettings(
         prompts=tuple(prompts) if prompts else DEFAULT_PROMPTS, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k or None, seed=seed)
     opts = EvalOptions(checkpoint=checkpoint, data=data, tokens=_token_count(tokens),
                        micro_batch_size=micro_batch_size, samples=samples, reuse=len(run_dirs) > 1 and not fresh)
-    is_main = os.environ.get("RANK", "0") == "0"
+    is_main = ranks().is_main
     results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
     if not is_main:
         return

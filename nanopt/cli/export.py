@@ -37,9 +37,9 @@ def export_command(
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Export a checkpoint to a transformers directory that AutoModelForCausalLM and AutoTokenizer load."""
-    from nanopt.checkpoint import load_model_state
-    from nanopt.evaluation import open_trained
-    from nanopt.export import export_hf
+    from nanopt.evaluate.trained import open_trained
+    from nanopt.export.hf import export_hf
+    from nanopt.train.checkpoint import load_model_state
 
     trained = open_trained(run_dir, checkpoint, data)
     written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.dataset.tokenizer_path,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,8 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.cli.launch import launch_if_asked
+from nanopt.runtime import ranks
 
 EPILOG = """
 Examples:
@@ -60,18 +60,18 @@ def find_batch_command(
     """Find the largest and the fastest micro-batch that fit, with real forward, backward and optimizer steps
     at exactly the run's settings; each trial in a fresh process, the memory model's error reported."""
     from nanopt.errors import ConfigError
-    from nanopt.find_batch import FindBatchOptions, find_batch, write_micro_batch
     from nanopt.hardware import parse_size
+    from nanopt.plan.find_batch.finder import find_batch, write_micro_batch
+    from nanopt.plan.find_batch.search import FindBatchOptions
 
-    if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        relaunch_under_torchrun(nproc_per_node)
+    launch_if_asked(nproc_per_node)
     if pick not in ("best", "max"):
         raise ConfigError(f"--pick: unknown value '{pick}'", "use --pick best or --pick max")
     run = load_run_config(run_dir, sets)
     opts = FindBatchOptions(start=start, maximum=maximum, steps=steps, margin=margin, trial_timeout_s=timeout,
                             gpu_memory=parse_size(gpu_memory) if gpu_memory else None,
                             max_memory=parse_size(max_memory, "--max-memory") if max_memory else None)
-    main = os.environ.get("RANK", "0") == "0"
+    main = ranks().is_main
     progress = _Progress(main)
     report = find_batch(run, opts, on_start=progress.start, on_trial=progress.done)
     progress.stop()
@@ -86,19 +86,6 @@ def find_batch_command(
             console().print(f"[bold]{w['path']}[/]: micro_batch_size {w['old']} -> {w['new']} ({pick})")
     if as_json:
         print_json(report)
-
-
-def relaunch_under_torchrun(nproc_per_node: int) -> None:
-    """Replace this process with torchrun on this node running the same command.
-
-    The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or --max
-    as abbreviations of its own (--start-method, --max-restarts) and stops.
-    """
-    from nanopt.cli.train import strip_launcher_options
-
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--standalone",
-            "-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])]
-    os.execv(sys.executable, args)
 
 
 class _Progress:
@@ -153,7 +140,7 @@ def _trials_table(r: dict[str, Any]) -> Table:
                       seconds(t["step_time_s"]), accum)
     table.caption = (f"accum: gradient accumulation for the configured global batch of "
                      f"{r['global_batch_tokens']:,} tokens. tokens/s and step: the fastest timed trial step "
-                     "(accumulation 1, optimizer step included). predicted: nanopt.flops.estimate_memory. "
+                     "(accumulation 1, optimizer step included). predicted: nanopt.model.memory.estimate_memory. "
                      + _limit_text(r))
     return table
 

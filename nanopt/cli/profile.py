@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,8 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.find_batch import seconds
+from nanopt.cli.launch import launch_if_asked
+from nanopt.runtime import ranks
 
 EPILOG = """
 Examples:
@@ -50,16 +51,13 @@ def profile_command(
 ) -> None:
     """Profile the real training step: a Chrome / Perfetto trace, and a summary of busy vs idle time, the top
     operations by category, host overhead, data-loader wait, peak memory, tokens/s, MFU and compile graph breaks."""
-    from nanopt.profiler import ProfileOptions, profile_run
+    from nanopt.plan.profile import ProfileOptions, profile_run
 
-    if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        from nanopt.cli.find_batch import relaunch_under_torchrun
-
-        relaunch_under_torchrun(nproc_per_node)
+    launch_if_asked(nproc_per_node)
     run = load_run_config(run_dir, sets)
     opts = ProfileOptions(wait=wait, warmup=warmup, active=steps, record_shapes=record_shapes, top=top,
                           out_dir=out, tensorboard=tensorboard)
-    main = os.environ.get("RANK", "0") == "0"
+    main = ranks().is_main
     with _progress(main) as on_step:
         summary = profile_run(run, opts, on_step=on_step)
     if not main:

@@ -65,7 +65,7 @@ def tokenize_command(
     """Tokenize a corpus into train / val / test shards of token ids, with the tokenizer and a meta.json."""
     from nanopt.data.budget import parse_token_count, resolve_max_tokens
     from nanopt.data.pipeline import build_dataset
-    from nanopt.tokenizer import set_threads
+    from nanopt.data.tokenizer import set_threads
 
     set_threads(threads)
     settings = dict(config=config, split=split, text_column=text_column, sample_by=sample_by, tokenizer=tokenizer,

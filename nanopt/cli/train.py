@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-
-# Exit status of a run stopped by SIGTERM / SIGINT before its end, its state saved (EX_TEMPFAIL: try again). Not 0,
-# so a job scheduler or retry loop does not take a preempted run for a finished one.
-STOPPED_EARLY = 75
+from nanopt.cli.launch import STOPPED_EARLY, launch_if_asked
+from nanopt.cli.train_display import Display
+from nanopt.runtime import ranks, under_torchrun
 
 EPILOG = """
 Examples:
@@ -56,89 +50,21 @@ def train_command(
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
     run = load_run_config(run_dir, sets)
-    if (nproc_per_node > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+    if not under_torchrun():
         # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
         run.grad_accum_steps(nproc_per_node * nnodes)
-        run_torchrun(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
-    from nanopt.train import TrainOptions, train
+    launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    from nanopt.train.loop import train
+    from nanopt.train.session import TrainOptions
 
-    summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, live=not no_live))
-    if os.environ.get("RANK", "0") == "0" and as_json:
-        print_json(summary)
-    elif os.environ.get("RANK", "0") == "0":
-        console().print(_summary_table(summary))
+    summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed), Display(live=not no_live))
+    if ranks().is_main:
+        if as_json:
+            print_json(summary)
+        else:
+            console().print(_summary_table(summary))
     if not summary["completed"]:  # stopped by SIGTERM / SIGINT after saving: not a finished run
         raise typer.Exit(STOPPED_EARLY)
-
-
-def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> NoReturn:
-    """Run torchrun in this process (so signals reach it directly) on the same command, and exit with what the
-    ranks meant: 0 done, 2 a user error (rank 0 printed it as one line), STOPPED_EARLY after a SIGTERM / SIGINT,
-    1 with one line naming the rank that failed; never torchrun's own traceback and failure table."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-    if nnodes > 1 or endpoint:
-        args += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint or 'localhost:29500'}"]
-    else:
-        args.append("--standalone")
-    _quiet_torchrun_logs()
-    try:
-        torchrun_main(args + ["-m", "nanopt", *strip_launcher_options(sys.argv[1:])])
-    except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them
-        console(stderr=True).print(f"stopped by {signal.Signals(exc.sigval).name}: run the same command again to "
-                                   "continue from the newest checkpoint", soft_wrap=True, markup=False)
-        sys.exit(STOPPED_EARLY)
-    except ChildFailedError as exc:
-        sys.exit(_failure_status(exc.failures))
-    sys.exit(0)
-
-
-def _quiet_torchrun_logs() -> None:
-    """torchrun logs every failed or signalled worker and a banner; the ranks and `_failure_status` say it in
-    one line. Set LOGLEVEL to see torchrun's own logs."""
-    if "LOGLEVEL" in os.environ:
-        return
-    prefixes = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
-    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-        if name.startswith(prefixes):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _failure_status(failures: dict[int, Any]) -> int:
-    # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
-    codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
-    if codes and codes <= {2, STOPPED_EARLY}:  # rank 0 already said why in one line
-        return max(codes)
-    # A rank killed by a signal, or one that crashed, is why the others lost contact (their status 2 says so).
-    rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode in (2, -signal.SIGTERM),
-                                                             item[1].exitcode >= 0, item[0]))
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
-    oom = " (SIGKILL is often the out-of-memory killer: see `dmesg`)" if failure.exitcode == -signal.SIGKILL else ""
-    _error(f"rank {rank} (pid {failure.pid}) {how}, so torchrun stopped the others",
-           f"complete checkpoints are kept: fix the cause{oom} and run the same command to resume")
-    return 1
-
-
-def _error(message: str, hint: str) -> None:
-    console(stderr=True).print(f"[bold red]error:[/] {escape(message)}. Hint: {escape(hint)}", soft_wrap=True)
-
-
-def strip_launcher_options(argv: list[str]) -> list[str]:
-    launcher = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in launcher:
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out
 
 
 def _summary_table(s: dict[str, Any]) -> Table:

@@ -1,5 +1,6 @@
-"""Datasets: corpus sources, the tokenize pipeline, the shard format and the resumable distributed loader.
+"""Data: tokenizers, corpus sources, the tokenize pipeline, the shard format, datasets and the resumable
+distributed loader (where token ids are checked against the model's vocabulary).
 
-Import from the submodules (nanopt.data.dataset, nanopt.data.loader, nanopt.data.pipeline); this package imports
+Imports only the contracts (nanopt.config, nanopt.errors); import from the submodules, this package imports
 nothing heavy by itself.
 """

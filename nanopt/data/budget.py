@@ -34,7 +34,7 @@ def parse_token_count(text: str, option: str = "--max-tokens") -> int:
 def chinchilla_tokens(run_dir: Path | str) -> int:
     """20 tokens per parameter of the run's model (Hoffmann et al. 2022), parameters as `nanopt estimate` counts."""
     from nanopt.config import load_run
-    from nanopt.flops import count_params
+    from nanopt.model.flops import count_params
 
     run = load_run(run_dir)
     return CHINCHILLA_TOKENS_PER_PARAM * count_params(run.model).total

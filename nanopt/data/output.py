@@ -14,8 +14,8 @@ from typing import Any
 import nanopt
 from nanopt.config import save_json
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, dtype_name, sha256_file, token_dtype
+from nanopt.data.tokenizer import NamedTokenizer
 from nanopt.errors import DataError
-from nanopt.tokenizer import NamedTokenizer
 
 STAGING_MARK = ".partial-"
 

@@ -27,8 +27,8 @@ from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir,
 from nanopt.data.shards import SplitWriter, token_dtype
 from nanopt.data.sources import Source, open_source
 from nanopt.data.stats import SplitStats
+from nanopt.data.tokenizer import NamedTokenizer, load_tokenizer, save_tokenizer, train_bpe
 from nanopt.errors import ConfigError, DataError
-from nanopt.tokenizer import NamedTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 SPLITS = ("train", "val", "test")
 BUILTIN_VOCAB_SIZE = 1024  # see TokenizeSettings.vocab_size

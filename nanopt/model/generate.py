@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from nanopt.model import Transformer
+from nanopt.model.transformer import Transformer
 
 
 def generate(model: Transformer, prompt_ids: list[int] | Tensor, max_new_tokens: int, temperature: float = 0.8,

@@ -1,4 +1,4 @@
-"""What a run measures: metrics.jsonl, tokens/s and MFU, peak memory, loss spikes, the loss-curve PNG.
+"""What a run records: metrics.jsonl, loss spikes, the loss-curve PNG.
 
 metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
 `{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes.
@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from nanopt.hardware import detect_gpu
-
-METRICS_FILE = "metrics.jsonl"
-CHART_FILE = "loss.png"
+from nanopt.rundir import RunDir
 
 
 class MetricsLog:
     """Appends records to runs/NAME/metrics.jsonl (rank 0 only), flushed per line so a kill loses nothing."""
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = RunDir(run_dir).metrics
         self.enabled = enabled
 
     def truncate_after(self, step: int) -> None:
@@ -54,7 +48,7 @@ def _record_step(line: str) -> int:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         return []
     records = []
@@ -64,23 +58,6 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
-
-
-def peak_flops_for(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """The dense peak FLOP/s MFU is measured against, and where it came from."""
-    if device.type != "cuda":
-        return None, "no peak for CPUs"
-    gpu = detect_gpu(torch.cuda.get_device_name(device))
-    if gpu is None:
-        return None, f"unknown GPU {torch.cuda.get_device_name(device)!r}"
-    return gpu.peak_flops(precision), f"{gpu.name} dense {'TF32' if precision == 'fp32' else 'BF16'} peak"
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated GPU memory, or on the CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class SpikeMonitor:
@@ -127,7 +104,7 @@ def write_loss_chart(run_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = Path(run_dir) / CHART_FILE
+    path = RunDir(run_dir).chart
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

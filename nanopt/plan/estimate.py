@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt import flops
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
 from nanopt.hardware import DEFAULT_GPU, GPU, get_gpu
+from nanopt.model import flops
+from nanopt.model import memory as memory_model
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,11 @@ def _time_section(report: dict[str, Any], opts: EstimateOptions, gpu: GPU, peak:
 def _memory_section(run: RunConfig | None, opts: EstimateOptions, gpu_memory: int, precision: str,
                     params: int) -> dict[str, Any]:
     if run is None:
-        states = {"weights": 4 * params, "gradients": 4 * params, "optimizer": 8 * params}
-        return {"memory_bytes": {**states, "activations_per_sequence": None,
-                                 "runtime_overhead": flops.RUNTIME_OVERHEAD_BYTES,
-                                 "total": sum(states.values()) + flops.RUNTIME_OVERHEAD_BYTES},
+        states = memory_model.states_only(params)
+        return {"memory_bytes": {**states.to_dict(0), "activations_per_sequence": None},
                 "gpu_memory_bytes": gpu_memory, "max_micro_batch": None, "memory_assumptions": None}
     compiled = run.train.compile in (True, "auto")
-    memory = flops.estimate_memory(
+    memory = memory_model.estimate_memory(
         run.model, run.seq_len, precision=precision, compiled=compiled,
         activation_checkpointing=run.train.activation_checkpointing, parallelism=run.train.parallelism,
         world_size=opts.num_gpus)

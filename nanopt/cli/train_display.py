@@ -1,6 +1,6 @@
-"""The live view of a training run on rank 0: a rich progress bar with the latest numbers, and log lines.
+"""The live view of a training run: a rich progress bar with the latest numbers, and log lines.
 
-Other ranks get a Display that prints nothing, so callers never branch on the rank.
+It implements nanopt.train.events.TrainObserver; the library calls it on rank 0 only.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class Display:
-    def __init__(self, enabled: bool, live: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, live: bool = True) -> None:
         self.console = Console(stderr=True, highlight=False)
-        self.live = live and enabled and self.console.is_terminal
+        self.live = live and self.console.is_terminal
         self.progress: Progress | None = None
         self.task = None
         self.last_eval = "-"
@@ -39,12 +38,9 @@ class Display:
             self.progress.update(self.task, completed=step)
 
     def note(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(text, markup=False, soft_wrap=True)
+        self.console.print(text, markup=False, soft_wrap=True)
 
-    def log(self, r: dict[str, Any], val_loss: float | None, total_steps: int) -> None:
-        if not self.enabled:
-            return
+    def log(self, r: dict[str, Any], total_steps: int) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}")
@@ -54,6 +50,6 @@ class Display:
                                  description=f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
                                              f"val {self.last_eval}")
 
-    def eval(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float) -> None:
         self.last_eval = f"{loss:.4f}"
         self.note(f"step {step}: val loss {loss:.4f}")

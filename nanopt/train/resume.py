@@ -1,4 +1,4 @@
-"""Whether a checkpoint may be resumed with today's settings.
+"""Resuming: which checkpoint a session continues from, whether today's settings allow it, and restoring it.
 
 Three kinds of setting:
 - free: logging, eval and checkpoint cadence, compile, activation checkpointing; they do not change the maths.
@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ResumeError
+from nanopt.train import checkpoint as ckpt
+from nanopt.train.metrics import read_metrics
+from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state
+from nanopt.train.session import Session
 
 FREE = {"eval_interval", "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval", "compile",
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold"}
@@ -56,3 +61,46 @@ def check_resumable(meta: dict[str, Any], run: RunConfig, world_size: int, finge
     if not allow_changed:
         raise ResumeError(f"resuming with changed settings ({listing})",
                           "pass --allow-changed if this is intended (e.g. a new learning rate or a longer run)")
+
+
+def maybe_resume(s: Session) -> None:
+    """Restore the session from the checkpoint `--resume` names, or start from scratch."""
+    if s.opts.resume == "none":
+        if s.rt.is_main and ckpt.complete_checkpoints(s.run.run_dir):
+            s.observer.note("starting from scratch (--resume none); existing checkpoints are kept until "
+                            "retention replaces them")
+        s.metrics.truncate_after(0)
+        return
+    found = _find_checkpoint(s)
+    if found is None:
+        s.metrics.truncate_after(0)
+        return
+    check_resumable(found.meta, s.run, s.rt.world_size, data_fingerprint(s.dataset), s.opts.allow_changed)
+    load_full_model_state(s.prepared, ckpt.load_model_state(found))
+    load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
+    s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
+    s.metrics.truncate_after(found.step)
+    _restore_spike_history(s, found.step)
+    s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
+    s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
+
+
+def _restore_spike_history(s: Session, step: int) -> None:
+    """Give the spike monitor the losses logged before the checkpoint. A resume with a changed learning rate is
+    when a spike is most likely, and a fresh monitor would be blind for its first `min_history` steps."""
+    if s.spikes is None or not s.rt.is_main:  # only rank 0 reports spikes
+        return
+    for record in read_metrics(s.run.run_dir):
+        loss = record.get("loss")
+        if record.get("kind") == "train" and record.get("step", 0) <= step and isinstance(loss, float):
+            if math.isfinite(loss):
+                s.spikes.history.append(loss)  # a bounded deque: the last `window` losses stay
+
+
+def _find_checkpoint(s: Session) -> ckpt.Checkpoint | None:
+    if s.opts.resume == "auto":
+        found, skipped = ckpt.newest_valid(s.run.run_dir)
+        for note in skipped:
+            s.observer.note(f"skipping a damaged checkpoint: {note}")
+        return found
+    return ckpt.resolve(s.run.run_dir, s.opts.resume)

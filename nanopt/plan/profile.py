@@ -1,9 +1,10 @@
 """`nanopt profile`: where the time of the real training step goes, as a trace and a summary a person can act on.
 
-The run's own step (`nanopt.train.build_session` + `step`: same model, dtype, compile, accumulation and
-parallelism) runs under torch.profiler with the schedule wait / warmup / active. The active steps are exported as a
-Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing), copied into a directory named as torch's
-`tensorboard_trace_handler` names its files (for TensorBoard's PyTorch profiler plugin); and they are summarized:
+The run's own step (`nanopt.train.session.build_session` + `nanopt.train.step.step`: same model, dtype, compile,
+accumulation and parallelism) runs under torch.profiler with the schedule wait / warmup / active. The active steps
+are exported as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing), copied into a directory
+named as torch's `tensorboard_trace_handler` names its files (for TensorBoard's PyTorch profiler plugin); and they
+are summarized:
 
 - step time split into busy and idle: on a GPU, busy = the union of the intervals in which a kernel or memcpy ran;
   on the CPU, busy = the self time of every profiled operator (Python glue between operators, the dispatcher
@@ -29,9 +30,10 @@ from typing import Any
 
 from nanopt.config import RunConfig, save_json
 from nanopt.errors import ConfigError
+from nanopt.model.flops import mfu
+from nanopt.rundir import RunDir
 
 DATA_WAIT_LABEL = "nanopt.data_wait"
-PROFILE_DIR = "profile"
 TRACE_FILE = "trace.json"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -168,8 +170,9 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from nanopt.parallel import resolve_compile
-    from nanopt.train import build_session, step
+    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.session import build_session
+    from nanopt.train.step import step
 
     compiled = resolve_compile(run.train.compile, rt.device)
     if compiled:
@@ -177,7 +180,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
     session = build_session(run, rt, writes=False, check_data_budget=False)
     loader = TimedLoader(session.loader)
     session.loader = loader
-    out_dir = Path(opts.out_dir or Path(run.run_dir) / PROFILE_DIR)
+    out_dir = Path(opts.out_dir or RunDir(run.run_dir).profile_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_path = out_dir / (TRACE_FILE if rt.is_main else f"trace-rank{rt.rank}.json")
     collected: dict[str, Any] = {}
@@ -293,8 +296,6 @@ def _kernel_category(kernel_name: str, launcher: Any) -> str:
 def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], step_times: list[float],
               waits: list[float], compiled: bool) -> dict[str, Any]:
     """The JSON summary of the active steps (see the module docstring for what each number means)."""
-    from nanopt.metrics import peak_memory_bytes
-
     run, rt = session.run, session.rt
     steps = len(step_times)
     step_time = sum(step_times) / steps
@@ -311,7 +312,7 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         overhead, measure = max(0.0, step_time - busy), "CPU operator self time"
     busy = min(busy, step_time)
     tokens_per_s = run.train.global_batch_tokens / step_time
-    mfu = tokens_per_s * session.flops_per_token / (rt.world_size * session.peak_flops) if session.peak_flops else None
+    utilization = mfu(tokens_per_s, session.flops_per_token, rt.world_size, session.peak_flops)
     data_wait = sum(waits) / steps
     return {
         "run": str(run.run_dir), "device": rt.device.type, "precision": rt.precision, "compiled": compiled,
@@ -327,10 +328,11 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         "data_wait_s": data_wait, "data_wait_share": min(1.0, data_wait / step_time),
         "categories": _categories(ops, steps),
         "top_ops": _top(ops, steps, opts.top),
-        "peak_memory_bytes": peak_memory_bytes(rt.device),
-        "peak_memory_measure": "peak allocated GPU memory" if on_cuda else "peak resident memory of the process "
-                                                                           "(Python, torch and the profiler incl.)",
-        "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops": session.peak_flops, "peak_source": session.peak_source,
+        "peak_memory_bytes": session.memory.peak(),
+        "peak_memory_measure": "peak reserved GPU memory plus the CUDA context" if on_cuda else "peak resident "
+                               "memory of the process (Python, torch and the profiler incl.)",
+        "tokens_per_s": tokens_per_s, "mfu": utilization, "peak_flops": session.peak_flops,
+        "peak_source": session.peak_source,
         "compile": compile_report(compiled),
     }
 

@@ -1,14 +1,11 @@
-"""Optimizer and learning-rate schedules.
+"""Learning-rate schedules: pure functions of (step, total steps, settings).
 
-Schedules are pure functions of (step, total steps, settings): a resumed run computes exactly the LR an
-uninterrupted one would, with no scheduler state to save or lose.
+A resumed run computes exactly the LR an uninterrupted one would, with no scheduler state to save or lose.
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
 
 from nanopt.config import TrainConfig
 
@@ -36,25 +33,3 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
         return peak
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
     return peak + (floor - peak) * progress
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings (dim >= 2); never biases or normalization gains (dim < 2)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; the fused CUDA kernel on GPUs (one launch for all parameters), foreach on the CPU."""
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused,
-                             foreach=None if fused else True)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr

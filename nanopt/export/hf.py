@@ -26,7 +26,7 @@ from torch import Tensor
 
 from nanopt.config import ModelConfig
 from nanopt.errors import CheckpointError, ConfigError, DataError
-from nanopt.model import Transformer
+from nanopt.model.transformer import Transformer
 
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
@@ -35,9 +35,9 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_j
               eos_id: int | None = None, *, force: bool = False) -> Path:
     """Write a transformers directory for this model and return its path.
 
-    state_dict uses nanopt's key names (see nanopt.model); with tied embeddings `lm_head.weight` may be present or
-    not. eos_id defaults to the tokenizer's end-of-text token. An existing non-empty out_dir is refused unless
-    force=True, in which case it is replaced only once the new directory is complete.
+    state_dict uses nanopt's key names (see nanopt.model.transformer); with tied embeddings `lm_head.weight` may
+    be present or not. eos_id defaults to the tokenizer's end-of-text token. An existing non-empty out_dir is
+    refused unless force=True, in which case it is replaced only once the new directory is complete.
     """
     out_dir = Path(out_dir)
     check_exportable(model_cfg)

@@ -8,8 +8,7 @@ number of ranks (when the count divides evenly; see nanopt.data.loader.eval_batc
 Bits per byte = loss (nats per token) / ln 2 / (UTF-8 bytes per token of the split). It does not depend on the
 tokenizer, so it compares runs whose tokenizers differ; loss and perplexity only compare runs sharing one.
 
-A checkpoint is rebuilt from its own config snapshot (not today's model.json), and may be evaluated on any
-dataset made with the tokenizer it was trained with: same vocabulary size and same tokenizer.json bytes.
+The checkpoint is opened by nanopt.evaluate.trained; samples come from nanopt.evaluate.samples.
 
 Rank 0 writes the result atomically to checkpoints/step-N/eval.json and, as the run's latest evaluation, to
 runs/NAME/eval.json.
@@ -26,38 +25,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from nanopt.checkpoint import Checkpoint, load_model_state, resolve
-from nanopt.config import RunConfig, TrainConfig, from_dict, model_config_from_snapshot, save_json
-from nanopt.data.dataset import TokenDataset, check_compatible
+from nanopt.config import save_json
 from nanopt.data.loader import eval_batches
-from nanopt.data.shards import sha256_file
-from nanopt.errors import CheckpointError, ConfigError, DataError
-from nanopt.evaluate import evaluate_loss
-from nanopt.flops import count_params
-from nanopt.generate import generate
-from nanopt.metrics import read_metrics
-from nanopt.model import Transformer
-from nanopt.resume import data_fingerprint
+from nanopt.errors import CheckpointError
+from nanopt.evaluate.loss import evaluate_loss
+from nanopt.evaluate.samples import SampleSettings, generate_samples
+from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
+from nanopt.model.flops import count_params
+from nanopt.rundir import EVAL_FILE, RunDir
 from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown
+from nanopt.train.checkpoint import Checkpoint
+from nanopt.train.metrics import read_metrics
+from nanopt.train.resume import data_fingerprint
 
 SPLIT = "test"
-EVAL_FILE = "eval.json"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU
-# An empty prompt starts a fresh document (an unconditional sample); the others suit both code and prose corpora.
-# No trailing spaces: byte-level BPE tokenizers attach a space to the word after it, so a prompt ending in one
-# leaves the model an unusual lone-space token to continue.
-DEFAULT_PROMPTS = ("", "def", "The")
-
-
-@dataclass(frozen=True)
-class SampleSettings:
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    max_new_tokens: int = 64
-    temperature: float = 0.8
-    top_k: int | None = 50
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,88 +63,6 @@ class Progress:
 
     def stop(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class TrainedModel:
-    """A checkpoint, the run configuration it was trained with, and the dataset to use it with."""
-
-    run: RunConfig  # from the checkpoint's config snapshot
-    checkpoint: Checkpoint
-    dataset: TokenDataset
-    tokenizer_check: str  # how the dataset's tokenizer was checked against the training data's
-
-
-# ------------------------------------------------------------------------------------------ opening a checkpoint
-
-
-def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None) -> TrainedModel:
-    """Resolve and verify a checkpoint; open its training dataset, or `data` if it has the same tokenizer."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: run directory not found", "pass a run directory that `nanopt train` wrote")
-    ckpt = resolve(run_dir, which)
-    run = run_config_from_snapshot(run_dir, ckpt)
-    dataset = TokenDataset.open(data if data is not None else run.train.data)
-    tokenizer_check = check_same_tokenizer(run, dataset)
-    check_compatible(dataset, run.model.vocab_size)
-    return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_check=tokenizer_check)
-
-
-def run_config_from_snapshot(run_dir: Path, ckpt: Checkpoint) -> RunConfig:
-    """The configuration the checkpoint was trained with: model.json may have been edited since."""
-    snapshot = ckpt.meta.get("config")
-    if not isinstance(snapshot, dict) or not {"model", "train"} <= set(snapshot):
-        raise CheckpointError(f"{ckpt.path / 'meta.json'}: no config snapshot", "use a checkpoint written by "
-                              "`nanopt train`")
-    model = model_config_from_snapshot(snapshot["model"])
-    train = from_dict(TrainConfig, snapshot["train"], "checkpoint meta.json train config")
-    return RunConfig(run_dir=run_dir, model=model, train=train)
-
-
-def tokenizer_identity(dataset: TokenDataset) -> tuple[int, str]:
-    """Vocabulary size and the sha256 of the exact tokenizer.json bytes."""
-    return dataset.vocab_size, sha256_file(dataset.tokenizer_path)
-
-
-def check_same_tokenizer(run: RunConfig, dataset: TokenDataset) -> str:
-    """DataError unless `dataset` was made with the tokenizer of the run's training data; returns what was checked.
-
-    Token ids mean nothing across tokenizers: a model evaluated on another tokenizer's ids gives a meaningless
-    loss rather than an error, so the mismatch must be caught here.
-    """
-    trained_path = Path(run.train.data)
-    if trained_path.resolve() == dataset.path.resolve():
-        return "the run's own dataset"
-    try:
-        trained_on = TokenDataset.open(trained_path)
-    except DataError:
-        return f"vocabulary size only (the training dataset {trained_path} is not available)"
-    expected, found = tokenizer_identity(trained_on), tokenizer_identity(dataset)
-    if expected != found:
-        raise DataError(
-            f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on ({trained_path}): "
-            f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 {found[1][:12]} vs {expected[1][:12]}",
-            f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
-            f"{trained_on.tokenizer_path} --out DIR`, then pass --data DIR")
-    return f"same tokenizer as {trained_path} (vocabulary size and tokenizer.json sha256)"
-
-
-def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
-    """Transformer(config snapshot) with the checkpoint's weights, strictly, in eval mode on `device`.
-
-    Built directly on the device: its random init is fast on a GPU and tiny for a CPU-sized model, and costs less
-    than building on the meta device, whose first use in a process takes over a second.
-    """
-    with torch.device(device):
-        model = Transformer(trained.run.model)
-    try:
-        model.load_state_dict(load_model_state(trained.checkpoint), strict=True)
-    except RuntimeError as exc:
-        first_line = str(exc).strip().splitlines()[-1].strip()
-        raise CheckpointError(f"{trained.checkpoint.path}: weights do not match its own model config "
-                              f"({first_line})", "use another checkpoint") from None
-    return model.eval()
 
 
 # ------------------------------------------------------------------------------------------------- evaluating
@@ -210,7 +110,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "precision": rt.precision, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, Path(run_dir) / EVAL_FILE])
+    write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, RunDir(run_dir).eval_json])
     return result
 
 
@@ -295,30 +195,3 @@ def training_seconds(records: list[dict[str, Any]], up_to_step: int) -> float | 
     return total if found else None
 
 
-# ------------------------------------------------------------------------------------------------- sampling
-
-
-def generate_samples(model: Transformer, dataset: TokenDataset, settings: SampleSettings) -> list[dict[str, Any]]:
-    """One continuation per prompt, each starting a fresh document (after an EOS), decoded to text.
-
-    Prompt i is sampled with seed + i: one shared seed would draw the same random numbers for every prompt, and a
-    weak model's samples would then look alike whatever the prompt."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(dataset.tokenizer_path))
-    samples = []
-    for index, prompt in enumerate(settings.prompts):
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-        new_ids = generate(model, [dataset.eos_id, *prompt_ids], settings.max_new_tokens, settings.temperature,
-                           settings.top_k, settings.seed + index, eos_id=dataset.eos_id)
-        samples.append({"prompt": prompt, "completion": _completion(tokenizer, prompt_ids, new_ids),
-                        "new_tokens": len(new_ids), "ended": bool(new_ids) and new_ids[-1] == dataset.eos_id})
-    return samples
-
-
-def _completion(tokenizer: Any, prompt_ids: list[int], new_ids: list[int]) -> str:
-    """The new text. Decoded together with the prompt, because a byte-level token may complete a character the
-    prompt began; special tokens (EOS) are dropped."""
-    prompt_text = tokenizer.decode(prompt_ids)
-    text = tokenizer.decode(prompt_ids + new_ids)
-    return text[len(prompt_text):] if text.startswith(prompt_text) else tokenizer.decode(new_ids)

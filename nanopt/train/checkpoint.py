@@ -29,8 +29,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanopt.errors import CheckpointError
+from nanopt.rundir import RunDir, step_dir_name
 
-CHECKPOINTS = "checkpoints"
 FORMAT_VERSION = 1
 
 
@@ -45,11 +45,7 @@ class Checkpoint:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
+    return RunDir(run_dir).checkpoints
 
 
 def sha256(path: Path) -> str:

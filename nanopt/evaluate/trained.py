@@ -1,0 +1,99 @@
+"""Opening a trained checkpoint for evaluation, sampling or export: its config snapshot, its weights, and a
+dataset whose tokenizer is the one it was trained with.
+
+A checkpoint is rebuilt from its own config snapshot (not today's model.json), and may be used with any dataset
+made with the tokenizer it was trained with: same vocabulary size and same tokenizer.json bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanopt.config import RunConfig, TrainConfig, from_dict, model_config_from_snapshot
+from nanopt.data.dataset import TokenDataset, check_compatible
+from nanopt.data.shards import sha256_file
+from nanopt.errors import CheckpointError, ConfigError, DataError
+from nanopt.model.transformer import Transformer
+from nanopt.train.checkpoint import Checkpoint, load_model_state, resolve
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A checkpoint, the run configuration it was trained with, and the dataset to use it with."""
+
+    run: RunConfig  # from the checkpoint's config snapshot
+    checkpoint: Checkpoint
+    dataset: TokenDataset
+    tokenizer_check: str  # how the dataset's tokenizer was checked against the training data's
+
+
+def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None) -> TrainedModel:
+    """Resolve and verify a checkpoint; open its training dataset, or `data` if it has the same tokenizer."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: run directory not found", "pass a run directory that `nanopt train` wrote")
+    ckpt = resolve(run_dir, which)
+    run = run_config_from_snapshot(run_dir, ckpt)
+    dataset = TokenDataset.open(data if data is not None else run.train.data)
+    tokenizer_check = check_same_tokenizer(run, dataset)
+    check_compatible(dataset, run.model.vocab_size)
+    return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_check=tokenizer_check)
+
+
+def run_config_from_snapshot(run_dir: Path, ckpt: Checkpoint) -> RunConfig:
+    """The configuration the checkpoint was trained with: model.json may have been edited since."""
+    snapshot = ckpt.meta.get("config")
+    if not isinstance(snapshot, dict) or not {"model", "train"} <= set(snapshot):
+        raise CheckpointError(f"{ckpt.path / 'meta.json'}: no config snapshot", "use a checkpoint written by "
+                              "`nanopt train`")
+    model = model_config_from_snapshot(snapshot["model"])
+    train = from_dict(TrainConfig, snapshot["train"], "checkpoint meta.json train config")
+    return RunConfig(run_dir=run_dir, model=model, train=train)
+
+
+def tokenizer_identity(dataset: TokenDataset) -> tuple[int, str]:
+    """Vocabulary size and the sha256 of the exact tokenizer.json bytes."""
+    return dataset.vocab_size, sha256_file(dataset.tokenizer_path)
+
+
+def check_same_tokenizer(run: RunConfig, dataset: TokenDataset) -> str:
+    """DataError unless `dataset` was made with the tokenizer of the run's training data; returns what was checked.
+
+    Token ids mean nothing across tokenizers: a model evaluated on another tokenizer's ids gives a meaningless
+    loss rather than an error, so the mismatch must be caught here.
+    """
+    trained_path = Path(run.train.data)
+    if trained_path.resolve() == dataset.path.resolve():
+        return "the run's own dataset"
+    try:
+        trained_on = TokenDataset.open(trained_path)
+    except DataError:
+        return f"vocabulary size only (the training dataset {trained_path} is not available)"
+    expected, found = tokenizer_identity(trained_on), tokenizer_identity(dataset)
+    if expected != found:
+        raise DataError(
+            f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on ({trained_path}): "
+            f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 {found[1][:12]} vs {expected[1][:12]}",
+            f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
+            f"{trained_on.tokenizer_path} --out DIR`, then pass --data DIR")
+    return f"same tokenizer as {trained_path} (vocabulary size and tokenizer.json sha256)"
+
+
+def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
+    """Transformer(config snapshot) with the checkpoint's weights, strictly, in eval mode on `device`.
+
+    Built directly on the device: its random init is fast on a GPU and tiny for a CPU-sized model, and costs less
+    than building on the meta device, whose first use in a process takes over a second.
+    """
+    with torch.device(device):
+        model = Transformer(trained.run.model)
+    try:
+        model.load_state_dict(load_model_state(trained.checkpoint), strict=True)
+    except RuntimeError as exc:
+        first_line = str(exc).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"{trained.checkpoint.path}: weights do not match its own model config "
+                              f"({first_line})", "use another checkpoint") from None
+    return model.eval()

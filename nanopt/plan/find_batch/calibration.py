@@ -1,0 +1,69 @@
+"""How far the memory model (nanopt.model.memory) is from what the trials measured."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nanopt.config import RunConfig
+from nanopt.model.memory import estimate_memory
+from nanopt.plan.find_batch.search import Trial
+
+
+def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[int, Trial], usable: int | None,
+              max_fit: int, capped: bool) -> dict[str, Any]:
+    """How far nanopt.model.memory.estimate_memory is from what the trials measured; fills each trial's prediction."""
+    if facts.get("precision") is None:
+        return {"predicted_peak_bytes": None, "measured_peak_bytes": None, "peak_error": None,
+                "predicted_max_micro_batch": None, "max_micro_batch_error": None, "note": "nothing was measured"}
+    model = estimate_memory(run.model, run.seq_len, precision=facts["precision"], compiled=bool(facts["compiled"]),
+                            activation_checkpointing=run.train.activation_checkpointing,
+                            parallelism=run.train.parallelism, world_size=world)
+    on_cpu = facts.get("device") != "cuda"
+    if on_cpu and facts.get("baseline_bytes"):
+        # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
+        model = dataclasses.replace(model, runtime_overhead=int(facts["baseline_bytes"]))
+    for trial in trials.values():
+        trial.predicted_peak_bytes = model.total(trial.micro_batch_size)
+        if trial.peak_memory_bytes and not trial.peak_is_lower_bound:
+            trial.peak_error = trial.predicted_peak_bytes / trial.peak_memory_bytes - 1
+    point = _calibration_point(trials, max_fit)
+    predicted_max = model.max_micro_batch(usable) if usable is not None else None
+    slope = _measured_bytes_per_sequence(trials)
+    note = ("CPU: peaks are the trial process's resident memory, Python and torch included; the model's runtime "
+            "overhead is replaced by that measured baseline" if on_cpu else
+            "GPU: peaks are the allocator's peak reserved bytes plus the CUDA context")
+    return {
+        "predicted_peak_bytes": point.predicted_peak_bytes if point else None,
+        "measured_peak_bytes": point.peak_memory_bytes if point else None,
+        "peak_error": point.peak_error if point else None,
+        "at_micro_batch": point.micro_batch_size if point else None,
+        "predicted_max_micro_batch": predicted_max,
+        "max_micro_batch_error": predicted_max / max_fit - 1 if predicted_max is not None and max_fit and not capped
+        else None,
+        "predicted_bytes_per_sequence": model.activations_per_sequence,
+        "measured_bytes_per_sequence": slope,
+        "note": note + ("; max_micro_batch_error is not defined when every size up to --max fits" if capped else ""),
+    }
+
+
+def _calibration_point(trials: dict[int, Trial], max_fit: int) -> Trial | None:
+    """The largest size that fit (the most relevant), else the smallest that was measured."""
+    if max_fit and trials[max_fit].peak_memory_bytes:
+        return trials[max_fit]
+    measured = [t for t in trials.values() if t.peak_memory_bytes and not t.peak_is_lower_bound]
+    return min(measured, key=lambda t: t.micro_batch_size, default=None)
+
+
+def _measured_bytes_per_sequence(trials: dict[int, Trial]) -> int | None:
+    """Activation memory per sequence: the least-squares slope of peak against size over the sizes that fit
+    (two neighbouring sizes alone differ by little more than the measurement's noise)."""
+    points = [(t.micro_batch_size, t.peak_memory_bytes) for t in trials.values() if t.fits and t.peak_memory_bytes]
+    if len(points) < 2:
+        return None
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_p = sum(p for _, p in points) / len(points)
+    spread = sum((b - mean_b) ** 2 for b, _ in points)
+    return int(sum((b - mean_b) * (p - mean_p) for b, p in points) / spread)
+
+

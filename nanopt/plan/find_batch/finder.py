@@ -1,0 +1,199 @@
+"""`find_batch`: the whole search over trials, its report, find_batch.json, and `--write` into train.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nanopt import errors
+from nanopt.config import RunConfig, TrainConfig, from_dict, read_json, save_json
+from nanopt.errors import ConfigError, NanoptError
+from nanopt.model.flops import flops_per_token, mfu
+from nanopt.plan.find_batch.calibration import calibrate
+from nanopt.plan.find_batch.search import (
+    FindBatchOptions,
+    Trial,
+    grad_accum_for,
+    judge,
+    memory_limit,
+    search,
+    usable_bytes,
+)
+from nanopt.plan.find_batch.trials import ProcessTrials, RankTrials
+from nanopt.rundir import RunDir
+from nanopt.runtime import ranks
+
+# ---------------------------------------------------------------------------------------------- find_batch
+
+
+def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int], None] | None = None,
+               on_trial: Callable[[Trial], None] | None = None) -> dict[str, Any]:
+    """Search the micro-batch sizes, save runs/NAME/find_batch.json (rank 0) and return the report (every rank)."""
+    opts.validate()
+    world = ranks().world_size
+    if world > 1:
+        from nanopt.runtime import init_runtime, shutdown
+
+        rt = init_runtime(run.train.precision)
+        try:
+            _check_device(opts, rt.device.type == "cuda")
+            report = _search(run, opts, RankTrials(run, opts, rt), world, on_start, on_trial)
+        finally:
+            shutdown(rt)
+    else:
+        if _surely_no_gpu():
+            _check_device(opts, on_cuda=False)  # a missing --max-memory fails now, before any server starts
+        trials = ProcessTrials(run, opts)
+        _check_device(opts, trials.cuda_available())
+        report = _search(run, opts, trials, world, on_start, on_trial)
+    if ranks().is_main:
+        path = RunDir(run.run_dir).find_batch_json
+        save_json(path, report)
+        report["saved"] = str(path)
+    return report
+
+
+def _surely_no_gpu() -> bool:
+    """True when this Linux or macOS machine has no GPU device node at all, so CUDA cannot be available."""
+    import sys
+
+    if sys.platform == "darwin":
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    dev = Path("/dev")
+    return not any(dev.glob("nvidia[0-9]*")) and not (dev / "kfd").exists()
+
+
+def _check_device(opts: FindBatchOptions, on_cuda: bool) -> None:
+    if on_cuda and opts.max_memory is not None:
+        raise ConfigError("--max-memory bounds CPU trials; this machine has a CUDA GPU",
+                          "use --gpu-memory (e.g. --gpu-memory 40GiB) to ask what fits on a smaller card")
+    if not on_cuda and opts.gpu_memory is not None:
+        raise ConfigError("--gpu-memory: no CUDA GPU here", "on the CPU bound each trial with --max-memory, "
+                                                           "e.g. --max-memory 4GiB")
+    if not on_cuda and opts.max_memory is None:
+        raise ConfigError("on the CPU nothing runs out of memory, so nothing would stop the search",
+                          "pass --max-memory, e.g. --max-memory 4GiB: the peak resident memory a trial process "
+                          "may reach (Python and torch included)")
+
+
+def _search(run: RunConfig, opts: FindBatchOptions, runner: Callable[[int], dict[str, Any]], world: int,
+            on_start: Callable[[int], None] | None, on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
+    trials: dict[int, Trial] = {}
+    facts: dict[str, Any] = {}
+
+    def fits(size: int) -> bool:
+        if on_start:
+            on_start(size)
+        m = runner(size)
+        if m["status"] == "user_error":
+            raise getattr(errors, m["kind"], NanoptError)(m["message"], m["hint"])
+        if "device" in m:
+            facts.update({k: m[k] for k in _FACT_KEYS if k in m})
+            facts.setdefault("baseline_bytes", m.get("baseline_bytes"))
+        trial = _trial(run, world, size, m, facts, opts)
+        trials[size] = trial
+        if on_trial:
+            on_trial(trial)
+        return trial.fits
+
+    max_fit, order = search(fits, opts.start, opts.maximum)
+    return _report(run, opts, world, max_fit, order, trials, facts)
+
+
+_FACT_KEYS = ("device", "device_name", "device_memory_bytes", "context_bytes", "precision", "compiled", "peak_flops",
+              "peak_source")
+
+
+def _trial(run: RunConfig, world: int, size: int, m: dict[str, Any], facts: dict[str, Any],
+           opts: FindBatchOptions) -> Trial:
+    fits, reason = judge(m, memory_limit(opts, facts.get("device_memory_bytes")), opts.margin)
+    if "agreed_fits" in m and m["agreed_fits"] != fits:
+        fits, reason = m["agreed_fits"], "fits" if m["agreed_fits"] else "does not fit on another rank"
+    times = m.get("step_times_s") or []
+    timed = times[1:] if len(times) > 1 else times  # the first step allocates the optimizer state (and compiles)
+    # The fastest timed step: other work on the machine only ever slows a step down, so the minimum is the
+    # steadiest estimate for comparing sizes.
+    step_time = min(timed) if timed and m["status"] == "ok" else None
+    tokens_per_s = size * run.seq_len * world / step_time if step_time else None
+    peak_flops = facts.get("peak_flops")
+    utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), world, peak_flops) if tokens_per_s \
+        else None
+    return Trial(micro_batch_size=size, fits=fits, reason=reason, peak_memory_bytes=m.get("peak_memory_bytes"),
+                 tokens_per_s=tokens_per_s, mfu=utilization, step_time_s=step_time,
+                 grad_accum=grad_accum_for(run.train, size, run.seq_len, world),
+                 peak_is_lower_bound=bool(m.get("peak_is_lower_bound")))
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+
+def _report(run: RunConfig, opts: FindBatchOptions, world: int, max_fit: int, order: list[int],
+            trials: dict[int, Trial], facts: dict[str, Any]) -> dict[str, Any]:
+    limit = memory_limit(opts, facts.get("device_memory_bytes"))
+    fitting = [t for t in trials.values() if t.fits]
+    exact = [t for t in fitting if t.grad_accum is not None]
+    best = max(exact or fitting, key=lambda t: (t.tokens_per_s or 0.0, t.micro_batch_size), default=None)
+    max_exact = max((t.micro_batch_size for t in exact), default=None)
+    calibration = calibrate(run, world, facts, trials, usable_bytes(limit, opts.margin), max_fit,
+                            capped=max_fit == opts.maximum)
+    configured = run.train.micro_batch_size
+    return {
+        "run": str(run.run_dir), "device": facts.get("device"), "device_name": facts.get("device_name"),
+        "world_size": world, "precision": facts.get("precision"), "compiled": facts.get("compiled"),
+        "activation_checkpointing": run.train.activation_checkpointing, "parallelism": run.train.parallelism,
+        "seq_len": run.seq_len, "steps_per_trial": opts.steps,
+        "limit": {"kind": "gpu" if facts.get("device") == "cuda" else "cpu_peak_rss", "bytes": limit,
+                  "margin": opts.margin, "usable_bytes": usable_bytes(limit, opts.margin),
+                  "gpu_memory_cap": opts.gpu_memory, "context_bytes": facts.get("context_bytes"),
+                  "baseline_bytes": facts.get("baseline_bytes")},
+        "max_micro_batch": max_fit,
+        "max_micro_batch_capped": max_fit == opts.maximum,  # every size up to --max fit: the true max is higher
+        "best_micro_batch": best.micro_batch_size if best else None,
+        "max_exact_micro_batch": max_exact,
+        "global_batch_tokens": run.train.global_batch_tokens,
+        "grad_accum_at_max": trials[max_fit].grad_accum if max_fit else None,
+        "grad_accum_at_best": best.grad_accum if best else None,
+        "configured": {"micro_batch_size": configured,
+                       "grad_accum": grad_accum_for(run.train, configured, run.seq_len, world),
+                       "fits": trials[configured].fits if configured in trials else None},
+        "peak_flops": facts.get("peak_flops"), "peak_source": facts.get("peak_source"),
+        "search_order": order,
+        "trials": [dataclasses.asdict(trials[size]) for size in sorted(trials)],
+        "predicted_max_micro_batch": calibration["predicted_max_micro_batch"],
+        "calibration": calibration,
+    }
+
+
+# ------------------------------------------------------------------------------------------------- --write
+
+
+def write_micro_batch(run_dir: Path, report: dict[str, Any], pick: str) -> dict[str, Any]:
+    """Set train.json's micro_batch_size to the best (fastest) or the largest size that fits with an exact
+    accumulation; other keys, their order and values are kept. Returns {path, old, new}."""
+    new = report["best_micro_batch"] if pick == "best" else report["max_exact_micro_batch"]
+    if new is None or (pick == "best" and report["grad_accum_at_best"] is None):
+        raise ConfigError(f"--write: no micro-batch that fits divides the global batch of "
+                          f"{report['global_batch_tokens']:,} tokens exactly",
+                          "change global_batch_tokens to a multiple of micro_batch_size x seq_len x world size, "
+                          "see the table")
+    path = RunDir(run_dir).train_json
+    raw = read_json(path)
+    old = raw.get("micro_batch_size")
+    updated = {**raw, "micro_batch_size": new}  # same key order: the key exists (it is required)
+    _check_still_valid(path, run_dir, updated, report["world_size"])
+    save_json(path, updated)
+    return {"path": str(path), "old": old, "new": new}
+
+
+def _check_still_valid(path: Path, run_dir: Path, raw: dict[str, Any], world: int) -> None:
+    from nanopt.config import load_model_config
+
+    model = load_model_config(RunDir(run_dir).model_json)
+    train = from_dict(TrainConfig, raw, f"{path} (after --write)")
+    train.validate(model, f"{path} (after --write)")
+    RunConfig(run_dir=Path(run_dir), model=model, train=train).grad_accum_steps(world)
+

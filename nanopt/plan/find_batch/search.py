@@ -1,0 +1,149 @@
+"""The search itself and what a size's outcome means: options, trials, bisection, rank agreement, judging.
+
+Pure: no torch at import, no processes; `search` is tested as a function of a predicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nanopt.config import RunConfig, TrainConfig
+from nanopt.errors import ConfigError
+
+DEFAULT_MAX = 1024
+MIN_STEPS = 3
+PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
+
+@dataclass(frozen=True)
+class FindBatchOptions:
+    start: int = 1
+    maximum: int = DEFAULT_MAX
+    steps: int = MIN_STEPS
+    margin: float = 0.05  # keep this fraction of the limit free
+    gpu_memory: int | None = None  # bytes: behave as if the GPU had this much memory
+    max_memory: int | None = None  # bytes, CPU only: bound on a trial process's peak resident memory
+    trial_timeout_s: float = 1800.0
+
+    def validate(self) -> None:
+        checks = [("--start", self.start, self.start >= 1), ("--max", self.maximum, self.maximum >= self.start),
+                  ("--steps", self.steps, self.steps >= MIN_STEPS), ("--margin", self.margin, 0 <= self.margin < 1),
+                  ("--gpu-memory", self.gpu_memory, self.gpu_memory is None or self.gpu_memory > 0),
+                  ("--max-memory", self.max_memory, self.max_memory is None or self.max_memory > 0),
+                  ("--timeout", self.trial_timeout_s, self.trial_timeout_s > 0)]
+        for option, value, ok in checks:
+            if not ok:
+                raise ConfigError(f"{option}: {value} is out of range",
+                                  f"need --start >= 1, --max >= --start, --steps >= {MIN_STEPS}, 0 <= --margin < 1")
+
+
+@dataclass
+class Trial:
+    micro_batch_size: int
+    fits: bool
+    reason: str  # fits | OOM | over limit | predicted OOM | killed by SIGKILL | crashed: ... | timed out
+    peak_memory_bytes: int | None
+    tokens_per_s: float | None
+    mfu: float | None
+    step_time_s: float | None
+    grad_accum: int | None  # for the configured global batch; None where it does not divide exactly
+    peak_is_lower_bound: bool = False  # the trial was stopped once over the bound: its true peak is higher
+    predicted_peak_bytes: int | None = None
+    peak_error: float | None = None  # (predicted - measured) / measured
+
+
+# ------------------------------------------------------------------------------------------------- search
+
+
+def search(fits: Callable[[int], bool], start: int = 1, maximum: int = DEFAULT_MAX) -> tuple[int, list[int]]:
+    """The largest n in [1, maximum] with fits(n), for a predicate that holds up to a threshold and not above.
+
+    Doubles from `start` until a size fails or `maximum` is reached, then bisects between the last size that
+    fit and the first that failed (below `start` too, when `start` itself fails). Each size is tried once.
+    Returns (the largest size that fits, or 0, and the sizes in the order they were tried).
+    """
+    if not 1 <= start <= maximum:
+        raise ValueError(f"need 1 <= start <= maximum, got start {start}, maximum {maximum}")
+    tried: list[int] = []
+
+    def attempt(size: int) -> bool:
+        tried.append(size)
+        return fits(size)
+
+    fit, size = 0, start
+    while attempt(size):
+        fit = size
+        if size == maximum:
+            return fit, tried
+        size = min(2 * size, maximum)
+    fail = size
+    while fail - fit > 1:
+        middle = (fit + fail) // 2
+        if attempt(middle):
+            fit = middle
+        else:
+            fail = middle
+    return fit, tried
+
+
+def agree(rt: Any, fits_local: bool) -> bool:
+    """Whether a size fits on every rank: an all-reduce MIN, entered by every rank after every trial."""
+    if not rt.distributed:
+        return fits_local
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if fits_local else 0], dtype=torch.int32, device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def grad_accum_for(train: TrainConfig, micro_batch_size: int, seq_len: int, world_size: int) -> int | None:
+    """Accumulation steps the configured global batch needs at this micro-batch; None if it does not divide."""
+    accum, remainder = divmod(train.global_batch_tokens, micro_batch_size * seq_len * world_size)
+    return accum if accum >= 1 and remainder == 0 else None
+
+
+def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConfig:
+    """The run with `micro_batch_size` and a global batch of exactly one micro-batch per rank (accumulation 1)."""
+    train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
+                                global_batch_tokens=micro_batch_size * run.seq_len * world_size)
+    return dataclasses.replace(run, train=train)
+
+
+# ----------------------------------------------------------------------------------------------- judging
+
+
+def usable_bytes(limit: int | None, margin: float) -> int | None:
+    return None if limit is None else int((1 - margin) * limit)
+
+
+def memory_limit(opts: FindBatchOptions, device_memory_bytes: int | None) -> int | None:
+    """The memory a trial may use before the margin: --gpu-memory, the GPU's memory, or (CPU) --max-memory.
+    None only on a GPU before any trial has reported the device's memory."""
+    if opts.gpu_memory is not None:
+        return opts.gpu_memory
+    if device_memory_bytes is not None:
+        return device_memory_bytes
+    return opts.max_memory
+
+
+def judge(m: dict[str, Any], limit: int | None, margin: float) -> tuple[bool, str]:
+    """(fits, reason) for one measurement against the limit less the margin."""
+    status = m["status"]
+    if status == "ok":
+        usable = usable_bytes(limit, margin)
+        over = usable is not None and m["peak_memory_bytes"] > usable
+        return (False, "over limit") if over else (True, "fits")
+    reasons = {"oom": "OOM", "over_limit": "over limit", "predicted_oom": "predicted OOM (not run)",
+               "timeout": "timed out"}
+    if status in reasons:
+        return False, reasons[status]
+    detail = m.get("detail", "")
+    if detail.startswith("oom: "):
+        return False, "OOM"
+    return False, detail if status == "died" else f"crashed: {detail}"
+
+

@@ -1,0 +1,91 @@
+"""The run directory: every path nanopt reads or writes inside runs/NAME/, and nowhere else spelled out.
+
+    runs/NAME/
+      model.json  train.json          the run's configuration (written by a person)
+      checkpoints/step-000600/        one checkpoint (see nanopt.train.checkpoint)
+      checkpoints/latest, best        one-line pointer files naming a step directory
+      metrics.jsonl  loss.png         what training measured (see nanopt.train.metrics)
+      eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
+      find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
+      export/                         the default `nanopt export` destination
+
+Pure path arithmetic: nothing here reads or writes a file, so any module may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_FILE = "model.json"
+TRAIN_FILE = "train.json"
+CHECKPOINTS = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+CHART_FILE = "loss.png"
+EVAL_FILE = "eval.json"
+FIND_BATCH_FILE = "find_batch.json"
+PROFILE_DIR = "profile"
+EXPORT_DIR = "export"
+LOCK_FILE = ".lock"
+POINTERS = ("latest", "best")
+
+
+def step_dir_name(step: int) -> str:
+    """`step-000600`: six digits at least; the step itself (never the name's sort order) orders checkpoints."""
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def model_json(self) -> Path:
+        return self.root / MODEL_FILE
+
+    @property
+    def train_json(self) -> Path:
+        return self.root / TRAIN_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoints / step_dir_name(step)
+
+    def pointer(self, name: str) -> Path:
+        return self.checkpoints / name
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def chart(self) -> Path:
+        return self.root / CHART_FILE
+
+    @property
+    def eval_json(self) -> Path:
+        return self.root / EVAL_FILE
+
+    @property
+    def find_batch_json(self) -> Path:
+        return self.root / FIND_BATCH_FILE
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.root / PROFILE_DIR
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / EXPORT_DIR
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE

@@ -1,0 +1,45 @@
+"""What a training run tells the person watching it: a small observer protocol the CLI renders.
+
+The library never prints or imports rich: it calls these methods on rank 0 (other ranks get `Silent`), and
+nanopt.cli.train_display draws them as a live progress bar and log lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TrainObserver(Protocol):
+    def start(self, total_steps: int, step: int) -> None: ...
+
+    def advance(self, step: int) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def log(self, record: dict[str, Any], total_steps: int) -> None: ...
+
+    def evaluated(self, step: int, loss: float) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Silent:
+    """An observer that shows nothing: every rank but 0, tests, and the measurements of find-batch and profile."""
+
+    def start(self, total_steps: int, step: int) -> None:
+        pass
+
+    def advance(self, step: int) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def log(self, record: dict[str, Any], total_steps: int) -> None:
+        pass
+
+    def evaluated(self, step: int, loss: float) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

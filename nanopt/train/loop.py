@@ -1,0 +1,246 @@
+"""`nanopt train`: set up a session, resume it, and run step -> log -> eval -> checkpoint to the budget.
+
+Single process, or DDP / FSDP2 under torchrun. Every decision that could make ranks diverge (evaluate, save,
+stop) is taken from the step number or from values all-reduced in the step, so every rank always enters the same
+collectives.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nanopt.config import RunConfig
+from nanopt.errors import DistributedError, NanoptError
+from nanopt.model.flops import count_params, mfu
+from nanopt.runtime import init_runtime, quiesce, shutdown
+from nanopt.train import checkpoint as ckpt
+from nanopt.train.events import TrainObserver
+from nanopt.train.metrics import write_loss_chart
+from nanopt.train.resume import maybe_resume
+from nanopt.train.save import save_checkpoint
+from nanopt.train.session import Session, TrainOptions, build_session
+from nanopt.train.step import step
+
+# Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
+# that destructor can join a gloo thread which needs the GIL: the process then hangs after a finished run. Under
+# torchrun a finished session stays referenced here and the CLI leaves with os._exit (see nanopt.cli.app.main).
+_keep_until_exit: list[Session] = []
+
+
+def train(run: RunConfig, opts: TrainOptions | None = None,
+          observer: TrainObserver | None = None) -> dict[str, Any]:
+    """Train a run directory to its budget, resuming if asked; returns the end-of-run summary (on every rank)."""
+    opts = opts or TrainOptions()
+    rt = init_runtime(run.train.precision)
+    try:
+        session = setup(run, rt, opts, observer)
+        with _preemption_handler(session):
+            summary = _loop_reporting_failures(session)
+            quiesce(rt)
+            if rt.distributed:
+                _keep_until_exit.append(session)
+            return summary
+    finally:
+        shutdown(rt)
+
+
+def _loop_reporting_failures(s: Session) -> dict[str, Any]:
+    """The loop, with a lost peer and a full disk turned into one-line errors that say what is kept."""
+    try:
+        return loop(s)
+    except NanoptError:  # decided on every rank together (diverged, disk full), so all can still meet
+        quiesce(s.rt)
+        raise
+    except RuntimeError as exc:
+        if s.rt.distributed and _lost_peer(exc):
+            raise _peer_error(s, exc) from None
+        raise
+    except OSError as exc:  # metrics.jsonl and loss.png meet a full disk first: they are written most often
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+            raise
+        raise _disk_error(s, exc) from None
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """A collective that failed because another rank died, hung past the timeout or dropped off the network."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or "gloo" in str(exc) or "NCCL" in str(exc)
+
+
+def _latest(s: Session) -> str:
+    return ckpt.read_pointer(s.paths.checkpoints, "latest") or "none yet"
+
+
+def _peer_error(s: Session, exc: RuntimeError) -> DistributedError:
+    detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return DistributedError(f"rank {s.rt.rank} lost contact with another rank at step {s.state.step} ({detail})",
+                            f"another rank died or hung (its own error says why; the wait is capped by "
+                            f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {_latest(s)}): run the "
+                            "same command to resume")
+
+
+def _disk_error(s: Session, exc: OSError) -> NanoptError:
+    return NanoptError(f"could not write {exc.filename or 'into ' + str(s.run.run_dir)} at step {s.state.step}: "
+                       f"{exc.strerror}", f"free disk space; complete checkpoints are kept (latest: {_latest(s)}): "
+                       "run the same command to resume")
+
+
+# ------------------------------------------------------------------------------------------------- setup
+
+
+def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver | None = None) -> Session:
+    """A training session, resumed per `opts.resume`, writing metrics and checkpoints into the run directory."""
+    session = build_session(run, rt, opts, writes=True, observer=observer)
+    if rt.is_main:
+        ckpt.remove_stale_temporaries(run.run_dir)
+    maybe_resume(session)
+    _announce(session)
+    return session
+
+
+def _announce(s: Session) -> None:
+    params = count_params(s.run.model).total
+    mfu_note = s.peak_source if s.peak_flops else f"MFU not reported ({s.peak_source})"
+    s.observer.note(
+        f"{s.run.run_dir}: {params:,} parameters, {s.total_steps} steps of {s.run.train.global_batch_tokens:,} "
+        f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
+        f"{s.accum} accumulation), {s.rt.device.type} {s.rt.precision}"
+        f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
+
+
+# -------------------------------------------------------------------------------------------------- loop
+
+
+@dataclass
+class _Window:
+    """The span since the last log line: tokens/s and step time are measured over it, pauses excluded."""
+
+    time: float
+    tokens: int
+
+
+def loop(s: Session) -> dict[str, Any]:
+    started = time.perf_counter()
+    tokens_at_start = s.state.tokens
+    window = _Window(time.perf_counter(), s.state.tokens)
+    if s.state.step >= s.total_steps:
+        s.observer.note(f"{s.run.run_dir} is already complete ({s.state.step} steps); raise train_tokens or "
+                        "max_steps and pass --allow-changed to train further")
+    s.observer.start(s.total_steps, s.state.step)
+    try:
+        while s.state.step < s.total_steps:
+            loss, norm, stop = step(s)
+            window = maybe_log(s, loss, norm, window)
+            paused = time.perf_counter()
+            maybe_eval(s)
+            maybe_checkpoint(s, force=stop)
+            window.time += time.perf_counter() - paused  # tokens/s measures training steps only
+            if stop:
+                s.observer.note(f"preempted: saved step {s.state.step}; run `nanopt train {s.run.run_dir}` to "
+                                "continue exactly where it stopped")
+                break
+    finally:
+        s.observer.stop()
+    return summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
+
+
+def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
+    st = s.state
+    spike = s.spikes.check(loss) if s.spikes else None
+    if spike is not None:
+        s.metrics.write("event", step=st.step, event="loss_spike", loss=loss, zscore=spike)
+        s.observer.note(f"step {st.step}: loss spike {loss:.4f} ({spike:.1f} standard deviations above the mean)")
+    if st.step % s.run.train.log_interval and st.step != s.total_steps:
+        s.observer.advance(st.step)
+        return window
+    now = time.perf_counter()
+    elapsed = max(now - window.time, 1e-9)
+    tokens_per_s = (st.tokens - window.tokens) / elapsed
+    record = {"step": st.step, "tokens": st.tokens, "loss": loss, "lr": s.optimizer.param_groups[0]["lr"],
+              "grad_norm": norm, "tokens_per_s": tokens_per_s,
+              "mfu": mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops),
+              "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
+              "peak_memory_bytes": s.memory.peak()}
+    s.metrics.write("train", **record)
+    s.observer.log(record, s.total_steps)
+    return _Window(now, st.tokens)
+
+
+def maybe_eval(s: Session) -> None:
+    from nanopt.data.loader import eval_batches
+    from nanopt.evaluate.loss import evaluate_loss
+
+    interval, st = s.run.train.eval_interval, s.state
+    due = interval and (st.step % interval == 0 or st.step == s.total_steps)
+    if not due:
+        return
+    batches = eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
+                           s.rt.world_size, s.run.train.eval_tokens)
+    result = evaluate_loss(s.prepared.model, s.rt, batches)
+    st.last_val_loss = result.loss
+    if st.best_val_loss is None or result.loss < st.best_val_loss:
+        st.best_val_loss = result.loss
+    s.metrics.write("eval", step=st.step, tokens=st.tokens, val_loss=result.loss, val_tokens=result.tokens,
+                    val_perplexity=result.perplexity)
+    s.observer.evaluated(st.step, result.loss)
+    if s.rt.is_main:
+        write_loss_chart(s.run.run_dir)
+
+
+def maybe_checkpoint(s: Session, force: bool = False) -> None:
+    st, interval = s.state, s.run.train.checkpoint_interval
+    due = force or st.step == s.total_steps or (interval and st.step % interval == 0)
+    if not due or st.last_checkpoint_step == st.step:
+        return
+    if st.consecutive_nonfinite:
+        # The weights that just gave a non-finite step would become `latest`, and resuming from them (as the
+        # divergence hint says) would diverge again: keep the last good checkpoint instead. Every rank skips.
+        s.metrics.write("event", step=st.step, event="checkpoint_skipped", reason="nonfinite")
+        s.observer.note(f"step {st.step}: checkpoint not saved after a non-finite step; the last good one is kept")
+        return
+    save_checkpoint(s)
+
+
+def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
+    st = s.state
+    root = s.paths.checkpoints
+    tokens_per_s = tokens / max(seconds, 1e-9)
+    summary = {
+        "run": str(s.run.run_dir), "steps": st.step, "total_steps": s.total_steps, "tokens": st.tokens,
+        "tokens_this_session": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops),
+        "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
+        "skipped_steps": st.skipped_steps, "latest_checkpoint": ckpt.read_pointer(root, "latest"),
+        "best_checkpoint": ckpt.read_pointer(root, "best"), "completed": st.step >= s.total_steps,
+    }
+    if s.rt.is_main and s.run.train.eval_interval:
+        write_loss_chart(s.run.run_dir)
+    return summary
+
+
+class _preemption_handler:
+    """SIGTERM / SIGINT set a flag; the next step's all-reduce makes every rank stop and save together."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.session.preempt_requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.session.preempt_requested = True
+        self.session.observer.note(f"received {signal.Signals(signum).name}: finishing this step, saving a "
+                                   "checkpoint, then exiting (send it again to stop at once)")
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

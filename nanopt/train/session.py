@@ -1,0 +1,95 @@
+"""A training session: dataset, model, parallel wrapping, optimizer, loader and state, built exactly as training
+uses them. `nanopt find-batch` and `nanopt profile` build the same session to measure the real step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanopt.config import RunConfig
+from nanopt.model.flops import flops_per_token
+from nanopt.rundir import RunDir
+from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, seed_everything
+from nanopt.train.events import Silent, TrainObserver
+from nanopt.train.metrics import MetricsLog, SpikeMonitor
+from nanopt.train.optim import build_optimizer
+from nanopt.train.parallel import Prepared, prepare
+from nanopt.train.state import Counters, TrainState
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    resume: str = "auto"  # auto | none | latest | best | PATH
+    allow_changed: bool = False  # resume although learning-rate, budget or world-size settings changed
+
+
+@dataclass
+class Session:
+    run: RunConfig
+    rt: Runtime
+    opts: TrainOptions
+    prepared: Prepared
+    optimizer: torch.optim.Optimizer
+    dataset: Any
+    accum: int
+    total_steps: int
+    metrics: MetricsLog
+    observer: TrainObserver
+    flops_per_token: int
+    peak_flops: float | None
+    peak_source: str
+    memory: MemoryProbe
+    train_state: TrainState
+    spikes: SpikeMonitor | None = None
+    preempt_requested: bool = field(default=False)
+
+    @property
+    def state(self) -> Counters:
+        return self.train_state.counters
+
+    @property
+    def loader(self) -> Any:
+        return self.train_state.loader
+
+    @loader.setter
+    def loader(self, loader: Any) -> None:
+        self.train_state.loader = loader
+
+    @property
+    def paths(self) -> RunDir:
+        return RunDir(self.run.run_dir)
+
+
+def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None, *, writes: bool = False,
+                  check_data_budget: bool = True, observer: TrainObserver | None = None) -> Session:
+    """Dataset, model, parallel wrapping, optimizer and loader at step 0, exactly as training uses them.
+
+    With writes=False nothing is written into the run directory: `find-batch` and `profile` measure the real
+    training step through this without touching a run's metrics or checkpoints. The observer hears from rank 0
+    only.
+    """
+    from nanopt.data.dataset import TokenDataset
+    from nanopt.data.loader import TrainLoader, check_budget, check_compatible
+    from nanopt.model.transformer import Transformer
+
+    opts = opts or TrainOptions(resume="none")
+    memory = MemoryProbe(rt.device)  # before the model: it measures the CUDA context
+    accum = run.grad_accum_steps(rt.world_size)
+    dataset = TokenDataset.open(run.train.data)
+    check_compatible(dataset, run.model.vocab_size)
+    if check_data_budget:
+        check_budget(dataset, "train", run.total_tokens)
+    seed_everything(run.train.seed)
+    prepared = prepare(Transformer(run.model), rt, run.train)
+    optimizer = build_optimizer(prepared.raw, run.train, rt.device)
+    loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
+                         rt.world_size, run.train.seed)
+    peak, source = device_peak_flops(rt.device, rt.precision)
+    return Session(
+        run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,
+        total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes),
+        observer=observer if observer is not None and rt.is_main else Silent(),
+        flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
+        memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold))

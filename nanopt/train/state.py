@@ -1,0 +1,72 @@
+"""The state a checkpoint carries besides weights and optimizer moments, as one object.
+
+`TrainState.state_dict()` is everything the loop needs to continue exactly: the counters, this rank's loader
+position and every RNG. Adding a field here adds it to save and load at once; nothing else lists them.
+
+In meta.json the counters are run-wide (rank 0's, identical on every rank) and the loader and RNG states are
+per rank (`ranks[i]`), so a checkpoint can be resumed on another world size: the loader position is global, the
+RNG streams are restored only when the world size is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from nanopt.runtime import rng_state, set_rng_state
+
+
+@dataclass
+class Counters:
+    """Where the loop stands. Saved: all but the ones that describe this session only."""
+
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0
+    last_val_loss: float | None = None
+    best_val_loss: float | None = None
+    skipped_steps: int = 0
+    last_loss: float | None = None
+    # this session only
+    consecutive_nonfinite: int = 0
+    last_checkpoint_step: int = -1
+
+    SESSION_ONLY = ("consecutive_nonfinite", "last_checkpoint_step")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in self.SESSION_ONLY}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):
+            if f.name in state and f.name not in self.SESSION_ONLY:
+                setattr(self, f.name, state[f.name])
+        self.last_checkpoint_step = self.step
+
+
+class TrainState:
+    """Counters + this rank's loader + RNG: what a checkpoint holds besides the tensors."""
+
+    def __init__(self, loader: Any) -> None:
+        self.counters = Counters()
+        self.loader = loader
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's part: gathered from every rank into meta.json's `ranks` list."""
+        return {"loader": self.loader.state_dict(), "rng": rng_state()}
+
+    def state_dict(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The meta.json fields, given every rank's `rank_state_dict()` in rank order."""
+        c = self.counters
+        return {"step": c.step, "tokens": c.tokens, "best_val_loss": c.best_val_loss,
+                "skipped_steps": c.skipped_steps, "ranks": rank_states,
+                "metrics": {"train_loss": c.last_loss, "val_loss": c.last_val_loss}}
+
+    def load_state_dict(self, meta: dict[str, Any], rank: int, world_size: int) -> None:
+        metrics = meta.get("metrics") or {}
+        self.counters.load_state_dict({
+            "step": int(meta["step"]), "tokens": int(meta["tokens"]), "best_val_loss": meta.get("best_val_loss"),
+            "skipped_steps": int(meta.get("skipped_steps", 0)), "last_val_loss": metrics.get("val_loss"),
+            "last_loss": metrics.get("train_loss")})
+        ranks = meta["ranks"]
+        self.loader.load_state_dict(ranks[min(rank, len(ranks) - 1)]["loader"])
+        if len(ranks) == world_size:  # the same ranks: the same random streams (dropout) continue
+            set_rng_state(ranks[rank]["rng"])

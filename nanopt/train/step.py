@@ -1,0 +1,87 @@
+"""One optimizer step: `accum` micro-batches forward and backward, clipping, and the step itself, or its skip.
+
+Every decision that could make ranks diverge (skip a non-finite step, stop for preemption) is taken from values
+all-reduced over the ranks, so every rank always enters the same collectives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanopt.errors import DataError, NanoptError
+from nanopt.runtime import all_reduce_sum_
+from nanopt.train.optim import set_lr
+from nanopt.train.schedule import lr_at
+from nanopt.train.session import Session
+
+
+class TrainingDiverged(NanoptError):
+    """Too many consecutive non-finite steps."""
+
+
+def step(s: Session) -> tuple[float, float, bool]:
+    """One optimizer step over `accum` micro-batches; returns (mean loss over ranks, grad norm, stop?)."""
+    st, cfg = s.state, s.run.train
+    set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg))
+    loss_sum = torch.zeros((), device=s.rt.device)
+    for micro in range(s.accum):
+        inputs, targets = s.loader.next_batch()
+        _check_token_ids(s, inputs, targets)
+        inputs = inputs.to(s.rt.device, non_blocking=True)
+        targets = targets.to(s.rt.device, non_blocking=True)
+        with s.prepared.gradient_sync(micro == s.accum - 1):
+            with s.rt.autocast():
+                loss = s.prepared.model(inputs, targets)
+            (loss / s.accum).backward()
+        loss_sum += loss.detach().float()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True)
+    norm = _local(norm)
+    # One all-reduce and one host sync per step: the mean loss, and whether any rank saw a non-finite
+    # value or was asked to stop. Every rank then takes the same branch.
+    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
+    stats = torch.stack([loss_sum / s.accum, bad, torch.tensor(float(s.preempt_requested), device=s.rt.device)])
+    stats = all_reduce_sum_(s.rt, stats.double()).tolist()
+    mean_loss, any_bad, any_stop = stats[0] / s.rt.world_size, stats[1] > 0, stats[2] > 0
+    if any_bad:
+        _skip_nonfinite(s, mean_loss, float(norm))
+    else:
+        s.optimizer.step()
+        st.consecutive_nonfinite = 0
+    s.optimizer.zero_grad(set_to_none=True)
+    st.step += 1
+    st.tokens += cfg.global_batch_tokens
+    st.last_loss = mean_loss
+    return mean_loss, float(norm), any_stop
+
+
+def _check_token_ids(s: Session, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """An id past the embedding table (a shard that no longer matches meta.json) would crash the step, on CUDA as
+    a device-side assert; say which data is wrong instead. Two reductions over CPU tensors per micro-batch."""
+    top = max(int(inputs.max()), int(targets.max()))
+    if top >= s.run.model.vocab_size:
+        raise DataError(f"{s.dataset.path}: the train split holds token id {top:,} at step {s.state.step + 1}, "
+                        f"outside the model's vocab_size {s.run.model.vocab_size:,} (meta.json says "
+                        f"{s.dataset.vocab_size:,})", f"a shard changed after tokenizing (meta.json has each shard's "
+                        f"sha256); re-create the dataset: `nanopt tokenize SOURCE --out {s.dataset.path} --force`")
+
+
+def _local(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP2 returns the (already global) norm as a DTensor; use its local value."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _skip_nonfinite(s: Session, loss: float, norm: float) -> None:
+    st = s.state
+    st.skipped_steps += 1
+    st.consecutive_nonfinite += 1
+    s.metrics.write("event", step=st.step + 1, event="nonfinite_skipped", loss=loss, grad_norm=norm)
+    s.observer.note(f"step {st.step + 1}: non-finite loss or gradient (loss {loss}, grad norm {norm}); "
+                    f"optimizer step skipped ({st.consecutive_nonfinite} in a row)")
+    if st.consecutive_nonfinite >= s.run.train.max_nonfinite_steps:
+        raise TrainingDiverged(
+            f"training diverged: {st.consecutive_nonfinite} non-finite steps in a row at step {st.step + 1}",
+            f"resume from the last checkpoint with a lower learning rate, e.g. `nanopt train {s.run.run_dir} "
+            f"--set learning_rate={s.run.train.learning_rate / 2:g} --allow-changed`")
