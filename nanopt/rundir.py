@@ -8,6 +8,9 @@
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
       export/                         the default `nanopt export` destination
+      previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
+                                      metrics.jsonl, loss.png and eval.json, never deleted by nanopt
+      .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.lock)
 
 Pure path arithmetic: nothing here reads or writes a file, so any module may import it.
 """
@@ -27,6 +30,7 @@ FIND_BATCH_FILE = "find_batch.json"
 PROFILE_DIR = "profile"
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
+PREVIOUS_DIR = "previous"
 POINTERS = ("latest", "best")
 
 
@@ -89,3 +93,11 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.root / LOCK_FILE
+
+    @property
+    def previous(self) -> Path:
+        return self.root / PREVIOUS_DIR
+
+    def training_outputs(self) -> list[Path]:
+        """What training writes (and a fresh start moves aside), where it exists."""
+        return [p for p in (self.checkpoints, self.metrics, self.chart, self.eval_json) if p.exists()]

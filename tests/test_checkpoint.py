@@ -16,7 +16,13 @@ def write(run: Path, step: int) -> Path:
     weights = {"w": torch.full((64, 64), float(step))}
     optim = {"state": {"w": {"step": torch.tensor(float(step)), "exp_avg": torch.zeros(64, 64)}},
              "param_groups": [{"lr": 1e-3, "params": ["w"]}]}
-    return ckpt.write_checkpoint(run, step, weights, optim, {"tokens": step * 10})
+    return ckpt.write_checkpoint(run, step, weights, optim, full_meta(step))
+
+
+def full_meta(step: int) -> dict:
+    """What nanopt.train.save writes besides the fields write_checkpoint adds."""
+    return {"tokens": step * 10, "world_size": 1, "ranks": [{"loader": {}, "rng": {}}],
+            "config": {"model": {}, "train": {}}}
 
 
 def test_write_then_resolve_roundtrip(tmp_path: Path):

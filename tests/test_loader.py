@@ -241,9 +241,11 @@ def test_checksum_mismatch_is_found_by_verify(copy: Path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    dataset = TokenDataset.open(copy)  # headers and sizes still agree
+    dataset = TokenDataset.open(copy, verify_up_to_bytes=0)  # headers and sizes still agree
     with pytest.raises(DataError, match="checksum mismatch"):
         dataset.verify()
+    with pytest.raises(DataError, match="checksum mismatch"):
+        TokenDataset.open(copy)  # a dataset this small is hashed whole at open
 
 
 @pytest.mark.parametrize("changes, fragment", [

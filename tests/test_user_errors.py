@@ -10,6 +10,7 @@ more model.json / train.json mistakes; these are other ones.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -55,9 +56,16 @@ def edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps({**data, **changes}))
 
 
-def rewrite_shards(dataset: Path, change: Callable[[np.ndarray], np.ndarray]) -> None:
+def rewrite_shards(dataset: Path, change: Callable[[np.ndarray], np.ndarray], reseal: bool = False) -> None:
+    """Change every train shard in place; with reseal, also record the new checksums in meta.json, as a buggy
+    tokenizer would have written them (so only the token-id check can catch what is wrong)."""
     for shard in sorted((dataset / "train").glob("*.npy")):
         np.save(shard, change(np.load(shard)))
+    if reseal:
+        meta = json.loads((dataset / "meta.json").read_text())
+        for shard in meta["splits"]["train"]["shards"]:
+            shard["sha256"] = hashlib.sha256((dataset / shard["file"]).read_bytes()).hexdigest()
+        (dataset / "meta.json").write_text(json.dumps(meta))
 
 
 # -------------------------------------------------------------------------------------------------- estimate
@@ -190,7 +198,7 @@ def train_dataset_meta_not_json(w: World) -> Case:
 
 
 def train_dataset_too_small(w: World) -> Case:
-    return Case(["train", w.run(max_steps=100_000)], ("split 'train' has", "tokens but 6,400,000 are needed"), "fork")
+    return Case(["train", w.run(max_steps=100_000)], ("split 'train' has", "tokens but 6,400,001 are needed"), "fork")
 
 
 def train_model_vocab_smaller_than_the_data(w: World) -> Case:
@@ -208,10 +216,10 @@ def train_token_ids_out_of_range(w: World) -> Case:
         tokens[::5] = 60_000  # same dtype and length, so the shard headers still match meta.json
         return tokens
 
-    rewrite_shards(data, corrupt)
+    rewrite_shards(data, corrupt, reseal=True)
     run = tiny_run(w.root, data, "run")
-    return Case(["train", run], ("holds token id 60,000 at step 1", "outside the model's vocab_size 512"), "fork",
-                after_start=True)
+    return Case(["train", run], ("split 'train' holds token id 60,000 at step 1",
+                                 "outside the dataset's vocabulary of 512 ids"), "fork")
 
 
 def train_shard_with_another_dtype(w: World) -> Case:

@@ -12,11 +12,14 @@ import logging
 import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.markup import escape
 
 from nanopt.cli.app import console
+from nanopt.cli.rank_errors import ERROR_DIR_ENV, collected, lines_to_print
 from nanopt.runtime import under_torchrun
 
 # Exit status of a run stopped by SIGTERM / SIGINT before its end, its state saved (EX_TEMPFAIL: try again). Not 0,
@@ -43,17 +46,25 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) 
     else:
         args.append("--standalone")
     _quiet_torchrun_logs()
-    # The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or --max
-    # as abbreviations of its own (--start-method, --max-restarts) and stops.
-    try:
-        torchrun_main(args + ["-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])])
-    except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them
-        console(stderr=True).print(f"stopped by {signal.Signals(exc.sigval).name}: run the same command again to "
-                                   "continue from the newest checkpoint", soft_wrap=True, markup=False)
-        sys.exit(STOPPED_EARLY)
-    except ChildFailedError as exc:
-        sys.exit(_failure_status(exc.failures))
+    with tempfile.TemporaryDirectory(prefix="nanopt-errors-") as folder:
+        os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it (see nanopt.cli.rank_errors)
+        # The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or
+        # --max as abbreviations of its own (--start-method, --max-restarts) and stops.
+        try:
+            torchrun_main(args + ["-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])])
+        except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them
+            console(stderr=True).print(f"stopped by {signal.Signals(exc.sigval).name}: run the same command again "
+                                       "to continue from the newest checkpoint", soft_wrap=True, markup=False)
+            sys.exit(STOPPED_EARLY)
+        except ChildFailedError as exc:
+            _print_rank_errors(Path(folder))
+            sys.exit(_failure_status(exc.failures))
     sys.exit(0)
+
+
+def _print_rank_errors(folder: Path) -> None:
+    for line in lines_to_print(collected(folder)):
+        console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
 
 
 def _quiet_torchrun_logs() -> None:
@@ -70,7 +81,7 @@ def _quiet_torchrun_logs() -> None:
 def _failure_status(failures: dict[int, Any]) -> int:
     # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
     codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
-    if codes and codes <= {2, STOPPED_EARLY}:  # the rank that met the error already said why in one line
+    if codes and codes <= {2, STOPPED_EARLY}:  # the ranks' own errors, printed above, say why
         return max(codes)
     # A rank killed by a signal, or one that crashed, is why the others lost contact (their status 2 says so).
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode in (2, -signal.SIGTERM),

@@ -19,15 +19,15 @@ Examples:
 
   nanopt train runs/demo                                   # CPU or one GPU
 
+  nanopt train runs/demo --resume runs/demo/checkpoints/step-000800   # again from an earlier checkpoint
+
   nanopt train runs/gpt2-small --nproc-per-node 8          # starts torchrun itself
 
   torchrun --nproc_per_node 8 -m nanopt train runs/gpt2-small
 
-  nanopt train runs/llama-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
+  nanopt train runs/llama-3.2-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
 
   nanopt train runs/demo --resume none --set max_steps=50 --set train_tokens=null
-
-  nanopt train runs/demo --resume runs/demo/checkpoints/step-000100
 """
 
 
@@ -72,7 +72,7 @@ def _summary_table(s: dict[str, Any]) -> Table:
     table = Table(title=f"nanopt train: {s['run']} ({status})", show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
-    mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else "- (no known GPU peak)"
+    mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else (s["mfu_note"] or "- (no known GPU peak)")
     rows = [("steps", f"{s['steps']:,} / {s['total_steps']:,}"), ("tokens", fmt.count(s["tokens"])),
             ("time (this session)", fmt.duration(s["seconds"])), ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
             ("MFU", mfu), ("final train loss", _loss(s["final_train_loss"])),

@@ -41,7 +41,7 @@ class Display:
         self.console.print(text, markup=False, soft_wrap=True)
 
     def log(self, r: dict[str, Any], total_steps: int) -> None:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else (r.get("mfu_note") or "-")
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}")
         self.console.print(line, markup=False, soft_wrap=True)

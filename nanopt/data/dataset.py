@@ -7,14 +7,22 @@
       tokenizer.json   the exact tokenizer used
       train/ val/ test/shard-00000.npy ...   1-D .npy arrays of token ids, documents each followed by eos_id
 
-A split is one token stream: its shards concatenated in order. `open` checks everything that is cheap to check
-(format version, keys, every shard's header, dtype and size) so a damaged dataset fails before training starts;
-`verify` also checks the sha256 of every file.
+A split is one token stream: its shards concatenated in order.
+
+What is checked, and what it costs (sha256 runs at roughly 0.5-1.5 GB/s on one core):
+- `open`, always: format version and keys; every shard's .npy header, dtype, length and file size against
+  meta.json (a stat and a 128-byte read per shard: microseconds); the sha256 of tokenizer.json (a few MB at most:
+  milliseconds). A truncated, padded, replaced or re-typed shard and any change to tokenizer.json fail here.
+- `open`, when the shards total at most VERIFY_AT_OPEN_BYTES (1 GiB: about 1-2 s): the sha256 of every shard,
+  so a shard rewritten in place with the same size fails too. Larger datasets skip this at open; their token ids
+  are still range-checked as the loader reads them (nanopt.data.loader), and `verify` hashes everything on
+  demand, with a progress callback.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,38 +32,49 @@ from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file,
 from nanopt.errors import DataError
 
 DTYPES = ("uint16", "uint32")
+VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at open: about 1-2 s
+
+# verify()'s progress: (bytes hashed so far, bytes to hash in all)
+VerifyProgress = Callable[[int, int], None]
 
 
-def _retokenize_hint(path: Path) -> str:
+def retokenize_hint(path: Path) -> str:
     return f"re-create it: `nanopt tokenize SOURCE --out {path} --force` (no SOURCE: the built-in corpus)"
 
 
 class TokenDataset:
     """A validated dataset directory; the shards of each split are memory-mapped on first use and kept open."""
 
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], tokenizer_sha256: str) -> None:
         self.path = path
         self.meta = meta
         self.vocab_size: int = meta["vocab_size"]
         self.eos_id: int = meta["eos_id"]
         self.dtype = np.dtype(meta["dtype"])
         self.tokenizer_path = path / "tokenizer.json"
+        self.tokenizer_sha256 = tokenizer_sha256  # of the file as found at open (it matched meta.json)
         self._streams: dict[str, TokenStream] = {}
+        self._tokenizer: Any = None
 
     @classmethod
-    def open(cls, path: Path | str) -> TokenDataset:
+    def open(cls, path: Path | str, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES) -> TokenDataset:
+        """Every cheap check, and every shard's sha256 when the shards total at most `verify_up_to_bytes` (see the
+        module docstring for what each costs); DataError naming the first file that does not match meta.json."""
         path = Path(path)
         if not path.is_dir():
             raise DataError(f"{path}: dataset directory not found",
                             f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)")
         meta = _read_meta(path)
         _check_meta(path, meta)
-        if not (path / "tokenizer.json").is_file():
-            raise DataError(f"{path}: tokenizer.json is missing", _retokenize_hint(path))
+        tokenizer_sha256 = _check_tokenizer(path, meta)
         for split, info in meta["splits"].items():
             for shard in info["shards"]:
                 _check_shard(path, split, shard, np.dtype(meta["dtype"]))
-        return cls(path, meta)
+        dataset = cls(path, meta, tokenizer_sha256)
+        shards = dataset._shard_checksums()
+        if sum(file.stat().st_size for file, _ in shards) <= verify_up_to_bytes:
+            _check_sha256(path, shards)
+        return dataset
 
     @property
     def splits(self) -> list[str]:
@@ -63,7 +82,7 @@ class TokenDataset:
 
     def _split(self, split: str) -> dict[str, Any]:
         if split not in self.meta["splits"]:
-            raise DataError(f"{self.path}: no split '{split}' (has {', '.join(self.splits)})", _retokenize_hint(
+            raise DataError(f"{self.path}: no split '{split}' (has {', '.join(self.splits)})", retokenize_hint(
                 self.path))
         return self.meta["splits"][split]
 
@@ -77,45 +96,68 @@ class TokenDataset:
         """UTF-8 bytes of the split's text per token (EOS separators counted as tokens), for bits per byte."""
         info = self._split(split)
         if not info["tokens"]:
-            raise DataError(f"{self.path}: split '{split}' is empty", _retokenize_hint(self.path))
+            raise DataError(f"{self.path}: split '{split}' is empty", retokenize_hint(self.path))
         return info["bytes"] / info["tokens"]
 
     def max_token_id(self) -> int:
         return max((int(info.get("max_token_id", -1)) for info in self.meta["splits"].values()), default=-1)
 
+    @property
+    def id_limit(self) -> int:
+        """Every token id of the dataset is below this: its vocabulary size (or past it, the largest id meta.json
+        records, for tokenizers whose ids have gaps). A model needs at least this many embedding rows."""
+        return max(self.vocab_size, self.max_token_id() + 1)
+
     def stream(self, split: str) -> TokenStream:
         """The split's shards as one token stream (memory maps, opened once)."""
         if split not in self._streams:
             files = [self.path / shard["file"] for shard in self._split(split)["shards"]]
-            self._streams[split] = TokenStream([np.load(f, mmap_mode="r") for f in files])
+            self._streams[split] = TokenStream([np.load(f, mmap_mode="r") for f in files], files)
         return self._streams[split]
 
-    def verify(self) -> None:
-        """Check the sha256 of tokenizer.json and of every shard against meta.json (reads every byte)."""
-        expected = self.meta["tokenizer"].get("sha256")
-        if expected and sha256_file(self.tokenizer_path) != expected:
-            raise DataError(f"{self.tokenizer_path}: checksum mismatch", _retokenize_hint(self.path))
-        for info in self.meta["splits"].values():
-            for shard in info["shards"]:
-                if sha256_file(self.path / shard["file"]) != shard["sha256"]:
-                    raise DataError(f"{self.path / shard['file']}: checksum mismatch (the file changed after it "
-                                    "was written)", _retokenize_hint(self.path))
+    def tokenizer(self) -> Any:
+        """The parsed tokenizers.Tokenizer, read once. Commands that need it call this when they open the dataset,
+        so an unreadable file fails before their expensive work rather than after it."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            try:
+                self._tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
+            except Exception as exc:  # the tokenizers library raises a bare Exception for any malformed file
+                raise DataError(f"{self.tokenizer_path}: not a Hugging Face tokenizers file ({exc})",
+                                retokenize_hint(self.path)) from None
+        return self._tokenizer
+
+    def verify(self, progress: VerifyProgress | None = None) -> None:
+        """Check the sha256 of tokenizer.json and of every shard against meta.json. Reads every byte: about 1-2 s
+        per GiB; `progress` hears (bytes hashed, bytes in all) after each chunk."""
+        expected = _recorded_tokenizer_sha256(self.meta)
+        _check_sha256(self.path, [(self.tokenizer_path, expected), *self._shard_checksums()], progress)
+
+    def _shard_checksums(self) -> list[tuple[Path, str | None]]:
+        return [(self.path / shard["file"], shard.get("sha256")) for info in self.meta["splits"].values()
+                for shard in info["shards"]]
 
 
 class TokenStream:
     """Shards read as one concatenated stream; reads that cross shard boundaries are stitched together."""
 
-    def __init__(self, arrays: list[np.ndarray]) -> None:
+    def __init__(self, arrays: list[np.ndarray], files: list[Path]) -> None:
         self.arrays = arrays
+        self.files = files
         self.ends = np.cumsum([len(a) for a in arrays], dtype=np.int64)
         self.total = int(self.ends[-1]) if arrays else 0
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(shard index, offset in that shard) of a stream position."""
+        shard = int(np.searchsorted(self.ends, position, side="right"))
+        return shard, position - (int(self.ends[shard - 1]) if shard else 0)
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Fill `out` with tokens [start, start + len(out)) of the stream."""
         position, filled = start, 0
         while filled < len(out):
-            shard = int(np.searchsorted(self.ends, position, side="right"))
-            offset = position - (int(self.ends[shard - 1]) if shard else 0)
+            shard, offset = self.locate(position)
             piece = self.arrays[shard][offset:offset + len(out) - filled]
             out[filled:filled + len(piece)] = piece
             filled += len(piece)
@@ -135,13 +177,13 @@ def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"{path}: incomplete dataset (no meta.json; was `nanopt tokenize` interrupted?)",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{meta_path}: not valid JSON ({exc})", _retokenize_hint(path)) from None
+        raise DataError(f"{meta_path}: not valid JSON ({exc})", retokenize_hint(path)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f"{meta_path}: not a nanopt dataset (format is not {FORMAT!r})", _retokenize_hint(path))
+        raise DataError(f"{meta_path}: not a nanopt dataset (format is not {FORMAT!r})", retokenize_hint(path))
     return meta
 
 
@@ -149,24 +191,24 @@ def _check_meta(path: Path, meta: dict[str, Any]) -> None:
     where = path / "meta.json"
     version = meta.get("format_version")
     if not isinstance(version, int) or version < 1:
-        raise DataError(f"{where}: bad format_version {version!r}", _retokenize_hint(path))
+        raise DataError(f"{where}: bad format_version {version!r}", retokenize_hint(path))
     if version > FORMAT_VERSION:
         raise DataError(f"{where}: format_version {version} is newer than this nanopt reads ({FORMAT_VERSION})",
                         "upgrade nanopt, or re-tokenize with this version")
     for key in ("vocab_size", "eos_id"):
         if not isinstance(meta.get(key), int) or meta[key] < 0:
-            raise DataError(f"{where}: key '{key}' missing or not a non-negative integer", _retokenize_hint(path))
+            raise DataError(f"{where}: key '{key}' missing or not a non-negative integer", retokenize_hint(path))
     if meta["eos_id"] >= meta["vocab_size"]:
         raise DataError(f"{where}: eos_id {meta['eos_id']} is outside vocab_size {meta['vocab_size']}",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     if meta.get("dtype") not in DTYPES:
         raise DataError(f"{where}: key 'dtype' is {meta.get('dtype')!r}, expected one of {DTYPES}",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     if np.dtype(meta["dtype"]).itemsize < token_dtype(meta["vocab_size"]).itemsize:
         raise DataError(f"{where}: dtype {meta['dtype']} cannot hold a vocabulary of {meta['vocab_size']}",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     if not isinstance(meta.get("splits"), dict) or "train" not in meta["splits"]:
-        raise DataError(f"{where}: key 'splits' missing or without a train split", _retokenize_hint(path))
+        raise DataError(f"{where}: key 'splits' missing or without a train split", retokenize_hint(path))
     for split, info in meta["splits"].items():
         _check_split_meta(path, split, info)
 
@@ -179,31 +221,68 @@ def _check_split_meta(path: Path, split: str, info: Any) -> None:
         files = [str(shard["file"]) for shard in info["shards"]]
     except (KeyError, TypeError, ValueError):
         raise DataError(f"{where}: malformed (needs documents, tokens, bytes and shards with file and tokens)",
-                        _retokenize_hint(path)) from None
+                        retokenize_hint(path)) from None
     if sum(shard_tokens) != declared[0]:
         raise DataError(f"{where}: shards hold {sum(shard_tokens)} tokens but the split says {declared[0]}",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     if any(Path(f).is_absolute() or ".." in Path(f).parts for f in files):
-        raise DataError(f"{where}: shard paths must stay inside the dataset directory", _retokenize_hint(path))
+        raise DataError(f"{where}: shard paths must stay inside the dataset directory", retokenize_hint(path))
 
 
 def _check_shard(path: Path, split: str, shard: dict[str, Any], dtype: np.dtype) -> None:
     file = path / shard["file"]
     found, length, offset = read_header(file)
     if found != dtype:
-        raise DataError(f"{file}: tokens are {found.name} but meta.json says {dtype.name}", _retokenize_hint(path))
+        raise DataError(f"{file}: tokens are {found.name} but meta.json says {dtype.name}", retokenize_hint(path))
     if length != shard["tokens"]:
         raise DataError(f"{file}: holds {length} tokens but meta.json says {shard['tokens']}",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
     expected_size = offset + length * dtype.itemsize
     if file.stat().st_size != expected_size:
         raise DataError(f"{file}: {file.stat().st_size} bytes, expected {expected_size} (truncated or padded)",
-                        _retokenize_hint(path))
+                        retokenize_hint(path))
+
+
+def _recorded_tokenizer_sha256(meta: dict[str, Any]) -> str | None:
+    tokenizer = meta.get("tokenizer")
+    return tokenizer.get("sha256") if isinstance(tokenizer, dict) else None
+
+
+def _check_tokenizer(path: Path, meta: dict[str, Any]) -> str:
+    """The sha256 of tokenizer.json, which must be the one meta.json records (the file is small: milliseconds)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise DataError(f"{path}: tokenizer.json is missing", retokenize_hint(path))
+    found, expected = sha256_file(file), _recorded_tokenizer_sha256(meta)
+    if expected is not None and found != expected:
+        raise _checksum_mismatch(path, file)
+    return found
+
+
+def _check_sha256(path: Path, files: list[tuple[Path, str | None]], progress: VerifyProgress | None = None) -> None:
+    """DataError naming the first file whose sha256 is not the one meta.json records (None: nothing recorded)."""
+    files = [(file, expected) for file, expected in files if expected is not None]
+    total, done = sum(file.stat().st_size for file, _ in files), 0
+
+    def advance(chunk_bytes: int) -> None:
+        nonlocal done
+        done += chunk_bytes
+        if progress is not None:
+            progress(done, total)
+
+    for file, expected in files:
+        if sha256_file(file, on_chunk=advance) != expected:
+            raise _checksum_mismatch(path, file)
+
+
+def _checksum_mismatch(path: Path, file: Path) -> DataError:
+    return DataError(f"{file}: checksum mismatch (changed since `nanopt tokenize` wrote it: meta.json records "
+                     "another sha256)", retokenize_hint(path))
 
 
 def check_compatible(dataset: TokenDataset, model_vocab_size: int) -> None:
     """Every token id of the dataset must be an embedding row of the model (a larger model vocab is fine)."""
-    needed = max(dataset.vocab_size, dataset.max_token_id() + 1)
+    needed = dataset.id_limit
     if needed > model_vocab_size:
         padded = -(-needed // 64) * 64
         raise DataError(f"{dataset.path}: its tokenizer has {needed:,} token ids but the model's vocab_size is "

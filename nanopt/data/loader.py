@@ -14,6 +14,12 @@ samples, and a run may resume on another number of ranks (or micro-batch size) a
 
 Evaluation reads a fixed slice instead: the first windows of the split, in order, the same number of batches on
 every rank (so no rank waits alone at a collective), disjoint across ranks.
+
+Token ids are checked here, for every command that reads batches (train, eval, find-batch, profile): an id past the
+embedding table would crash the forward pass (on CUDA as a device-side assert), so it is a DataError naming the
+shard instead. Every rank checks what all ranks will read, not only its own share, so all raise together and none
+waits alone at a collective: the evaluation slice when it is built, each training step's samples before its first
+micro-batch (one extra read of the step's tokens, from the page cache: milliseconds next to the step).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from nanopt.data.dataset import TokenDataset, TokenStream, check_budget, check_compatible
+from nanopt.data.dataset import TokenDataset, TokenStream, check_budget, check_compatible, retokenize_hint
 from nanopt.data.permutation import FeistelPermutation
 from nanopt.errors import DataError, ResumeError
 
-__all__ = ["EvalBatches", "TrainLoader", "check_budget", "check_compatible", "eval_batches"]
+__all__ = ["EvalBatches", "TrainLoader", "check_budget", "check_compatible", "check_token_ids", "eval_batches"]
 
 STATE_VERSION = 1
+CHECK_CHUNK_TOKENS = 1 << 22  # tokens range-checked per read: bounds the check's memory (32 MiB as int64)
 
 
 def _windows_in(stream: TokenStream, seq_len: int) -> int:
@@ -42,6 +49,23 @@ def _to_tensors(windows: np.ndarray) -> tuple[Any, Any]:
     inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
     targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
     return inputs, targets
+
+
+def check_token_ids(dataset: TokenDataset, split: str, stream: TokenStream, starts: np.ndarray, length: int,
+                    when: str = "") -> None:
+    """DataError unless every token of the windows [start, start + length) is below the dataset's id limit."""
+    limit = dataset.id_limit
+    rows = max(1, CHECK_CHUNK_TOKENS // length)
+    for first in range(0, len(starts), rows):
+        chunk = starts[first:first + rows]
+        windows = stream.windows(chunk, length)
+        if windows.size and windows.max() >= limit:
+            row, column = (int(i) for i in np.argwhere(windows >= limit)[0])
+            shard, offset = stream.locate(int(chunk[row]) + column)
+            raise DataError(f"{dataset.path}: split '{split}' holds token id {int(windows[row, column]):,}{when}, "
+                            f"outside the dataset's vocabulary of {limit:,} ids ({stream.files[shard]}, token "
+                            f"{offset:,})",
+                            f"the shard does not hold what its tokenizer wrote; {retokenize_hint(dataset.path)}")
 
 
 def _check_layout(seq_len: int, micro_batch_size: int, rank: int, world_size: int) -> None:
@@ -72,6 +96,8 @@ class TrainLoader:
         self.step = 0  # optimizer steps completed
         self.micro_step = 0  # micro-steps of the current step already handed out
         self._permutation: FeistelPermutation | None = None
+        self._checked_step = -1  # the last step whose token ids were checked
+        self._check_step()  # the first step's now, so plainly bad data fails before any work (a profiler, a model)
 
     @property
     def samples_per_step(self) -> int:
@@ -88,6 +114,8 @@ class TrainLoader:
 
     def next_batch(self) -> tuple[Any, Any]:
         """(inputs, targets): int64 CPU tensors of shape [micro_batch_size, seq_len]."""
+        if self._checked_step != self.step:  # also after resuming in the middle of a step
+            self._check_step()
         first = self._first_sample()
         samples = np.arange(first, first + self.micro_batch_size, dtype=np.int64)
         self.micro_step += 1
@@ -95,6 +123,13 @@ class TrainLoader:
             self.step, self.micro_step = self.step + 1, 0
         starts = self._windows(samples) * self.seq_len
         return _to_tensors(self.stream.windows(starts, self.seq_len + 1))
+
+    def _check_step(self) -> None:
+        """Check the token ids of every sample of the step, on every rank: the same DataError on all ranks."""
+        first = self.step * self.samples_per_step
+        starts = self._windows(np.arange(first, first + self.samples_per_step, dtype=np.int64)) * self.seq_len
+        check_token_ids(self.dataset, self.split, self.stream, starts, self.seq_len + 1, f" at step {self.step + 1}")
+        self._checked_step = self.step
 
     def _windows(self, samples: np.ndarray) -> np.ndarray:
         epochs, positions = np.divmod(samples, self.num_windows)
@@ -148,7 +183,8 @@ def eval_batches(dataset: TokenDataset, split: str, seq_len: int, micro_batch_si
     """This rank's share of a fixed evaluation slice: the first windows of the split, in order.
 
     `max_tokens` is the total over all ranks, so the same windows are evaluated on any number of ranks when it
-    divides evenly. Every rank gets the same number of batches (at least one); DataError if the split is too small.
+    divides evenly. Every rank gets the same number of batches (at least one); DataError if the split is too small
+    or the slice holds a token id past the vocabulary.
     """
     _check_layout(seq_len, micro_batch_size, rank, world_size)
     stream = dataset.stream(split)
@@ -160,8 +196,10 @@ def eval_batches(dataset: TokenDataset, split: str, seq_len: int, micro_batch_si
                         f"rank needs {world_size} x {micro_batch_size} x {seq_len} + 1 = {needed:,}",
                         f"tokenize with a larger --{split}-fraction or a bigger corpus, or lower micro_batch_size "
                         "or seq_len")
-    wanted = max(1, max_tokens // (per_batch_round * seq_len))
-    return EvalBatches(stream, seq_len, micro_batch_size, rank, world_size, min(wanted, available))
+    count = min(max(1, max_tokens // (per_batch_round * seq_len)), available)
+    # The whole slice, on every rank: a bad id in another rank's share stops this rank too.
+    check_token_ids(dataset, split, stream, np.arange(count * per_batch_round, dtype=np.int64) * seq_len, seq_len + 1)
+    return EvalBatches(stream, seq_len, micro_batch_size, rank, world_size, count)
 
 
 class EvalBatches(Sequence):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -102,11 +103,14 @@ class SplitWriter:
         self.shards.append(ShardInfo(self._name, self._filled, sha256_file(self.root / self._name)))
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
+    """The file's sha256 as `sha256sum` prints it; `on_chunk` hears the size of each chunk read (for progress)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
     return digest.hexdigest()
 
 

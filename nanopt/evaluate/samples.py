@@ -29,9 +29,7 @@ def generate_samples(model: Transformer, dataset: TokenDataset, settings: Sample
 
     Prompt i is sampled with seed + i: one shared seed would draw the same random numbers for every prompt, and a
     weak model's samples would then look alike whatever the prompt."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(dataset.tokenizer_path))
+    tokenizer = dataset.tokenizer()
     samples = []
     for index, prompt in enumerate(settings.prompts):
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -2,7 +2,9 @@
 dataset whose tokenizer is the one it was trained with.
 
 A checkpoint is rebuilt from its own config snapshot (not today's model.json), and may be used with any dataset
-made with the tokenizer it was trained with: same vocabulary size and same tokenizer.json bytes.
+made with the tokenizer it was trained with: the tokenizer.json sha256 the checkpoint records (older checkpoints:
+the training dataset's tokenizer.json, when it is still there). The dataset's tokenizer is parsed when it is
+opened, so an unreadable one fails before the evaluation or export runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 
 from nanopt.config import RunConfig, TrainConfig, from_dict, model_config_from_snapshot
 from nanopt.data.dataset import TokenDataset, check_compatible
-from nanopt.data.shards import sha256_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.train.checkpoint import Checkpoint, load_model_state, resolve
@@ -38,7 +39,8 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None)
     ckpt = resolve(run_dir, which)
     run = run_config_from_snapshot(run_dir, ckpt)
     dataset = TokenDataset.open(data if data is not None else run.train.data)
-    tokenizer_check = check_same_tokenizer(run, dataset)
+    dataset.tokenizer()  # samples and export need it: an unreadable file fails now, not after the work
+    tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
     return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_check=tokenizer_check)
 
@@ -56,30 +58,50 @@ def run_config_from_snapshot(run_dir: Path, ckpt: Checkpoint) -> RunConfig:
 
 def tokenizer_identity(dataset: TokenDataset) -> tuple[int, str]:
     """Vocabulary size and the sha256 of the exact tokenizer.json bytes."""
-    return dataset.vocab_size, sha256_file(dataset.tokenizer_path)
+    return dataset.vocab_size, dataset.tokenizer_sha256
 
 
-def check_same_tokenizer(run: RunConfig, dataset: TokenDataset) -> str:
-    """DataError unless `dataset` was made with the tokenizer of the run's training data; returns what was checked.
+def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset) -> str:
+    """DataError unless `dataset` was made with the tokenizer the checkpoint was trained with; returns what was
+    checked.
 
     Token ids mean nothing across tokenizers: a model evaluated on another tokenizer's ids gives a meaningless
     loss rather than an error, so the mismatch must be caught here.
     """
     trained_path = Path(run.train.data)
-    if trained_path.resolve() == dataset.path.resolve():
+    own = trained_path.resolve() == dataset.path.resolve()
+    recorded = ckpt.meta.get("tokenizer_sha256")
+    if isinstance(recorded, str):
+        if dataset.tokenizer_sha256 != recorded:
+            raise _another_tokenizer(run, dataset, f"tokenizer.json sha256 {dataset.tokenizer_sha256[:12]} vs "
+                                                   f"{recorded[:12]} recorded in {ckpt.path.name}", own)
+        return ("the run's own dataset" if own else "same tokenizer") + (
+            f" (tokenizer.json sha256 as recorded in {ckpt.path.name})")
+    # A checkpoint written before nanopt recorded the tokenizer's hash: compare with the training dataset.
+    if own:
         return "the run's own dataset"
     try:
-        trained_on = TokenDataset.open(trained_path)
+        trained_on = TokenDataset.open(trained_path, verify_up_to_bytes=0)  # only its tokenizer is compared
     except DataError:
         return f"vocabulary size only (the training dataset {trained_path} is not available)"
     expected, found = tokenizer_identity(trained_on), tokenizer_identity(dataset)
     if expected != found:
-        raise DataError(
-            f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on ({trained_path}): "
-            f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 {found[1][:12]} vs {expected[1][:12]}",
-            f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
-            f"{trained_on.tokenizer_path} --out DIR`, then pass --data DIR")
+        raise _another_tokenizer(run, dataset, f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 "
+                                               f"{found[1][:12]} vs {expected[1][:12]}", own)
     return f"same tokenizer as {trained_path} (vocabulary size and tokenizer.json sha256)"
+
+
+def _another_tokenizer(run: RunConfig, dataset: TokenDataset, difference: str, own: bool) -> DataError:
+    trained_path = Path(run.train.data)
+    if own:  # the training dataset's path now holds another dataset: its tokenizer.json is not the one to use
+        return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on: it was "
+                         f"re-made since training ({difference})",
+                         "re-create it with the run's original tokenizer.json: `nanopt tokenize SOURCE --tokenizer "
+                         "ORIGINAL/tokenizer.json --out DIR`, then pass --data DIR")
+    return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on "
+                     f"({trained_path}): {difference}",
+                     f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
+                     f"{trained_path / 'tokenizer.json'} --out DIR`, then pass --data DIR")
 
 
 def load_model(trained: TrainedModel, device: torch.device) -> Transformer:

@@ -19,19 +19,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from nanopt.errors import CheckpointError
 from nanopt.rundir import RunDir, step_dir_name
 
 FORMAT_VERSION = 1
+STEP_NAME = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,12 @@ def write_pointer(root: Path, name: str, target: str) -> None:
 
 
 def read_pointer(root: Path, name: str) -> str | None:
+    """The step directory a pointer names, or None when there is no pointer (or it cannot be read)."""
     path = root / name
-    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+    try:
+        return path.read_text(encoding="utf-8").strip() or None if path.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -140,13 +146,25 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dic
 # -------------------------------------------------------------------------------------------- retention
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Step directories with a meta.json, oldest first (unverified; see `verify`)."""
+def step_of(path: Path) -> int | None:
+    """The N of a directory named step-N (any number of digits), else None."""
+    match = STEP_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every entry named step-N in checkpoints/, oldest first by N as a number: past step 999,999
+    `step-1000000` sorts after `step-999999` although it sorts before it as a string."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    found = [(step_of(p), p) for p in root.iterdir()]
+    return sorted((step, p) for step, p in found if step is not None)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Step directories (not links) with a meta.json, oldest first by step (unverified; see `verify`)."""
+    return [p for _, p in step_dirs(run_dir) if not p.is_symlink() and p.is_dir() and (p / "meta.json").is_file()]
 
 
 def apply_retention(run_dir: Path, keep: int) -> list[Path]:
@@ -184,43 +202,116 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 
 def verify(path: Path) -> Checkpoint:
-    """Open a checkpoint and check every file against the checksum in meta.json."""
+    """Open a checkpoint: meta.json well-formed, every file present, matching its checksum and readable as
+    safetensors. CheckpointError says what is wrong."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
                               "use another checkpoint, or --resume none to start over")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError):  # ValueError: bad JSON, bad UTF-8, a number too large
         raise CheckpointError(f"{meta_path}: corrupt JSON", "use another checkpoint") from None
-    for name, expected in meta.get("files", {}).items():
+    check_meta(meta_path, meta)
+    for name, expected in meta["files"].items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{path}: {name} is missing", "use another checkpoint")
         if sha256(file) != expected:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)", "use another checkpoint")
+        _check_safetensors(file)
     return Checkpoint(path=path, meta=meta)
 
 
+# The fields nanopt writes into meta.json and reads back, with their JSON types. A checkpoint whose meta.json
+# lacks one or has another type is damaged or foreign: it is skipped like a truncated one, never half-loaded.
+_REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "optimizer_param_groups": list,
+             "world_size": int, "ranks": list, "config": dict}
+_OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
+             "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None))}
+_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
+def check_meta(meta_path: Path, meta: Any) -> None:
+    """CheckpointError unless meta.json has every field nanopt reads, each of the right type."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{meta_path}: {what} (a damaged or foreign checkpoint)", "use another checkpoint")
+
+    if not isinstance(meta, dict):
+        raise bad(f"holds a JSON {type(meta).__name__}, not an object")
+    for key, kind in {**_REQUIRED, **_OPTIONAL}.items():
+        if key not in meta:
+            if key in _REQUIRED:
+                raise bad(f"has no '{key}'")
+        elif not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
+            raise bad(f"'{key}' is {type(meta[key]).__name__} {str(meta[key])[:40]!r}")
+    if meta["step"] < 0 or meta["tokens"] < 0 or meta["world_size"] < 1:
+        raise bad("step, tokens or world_size out of range")
+    if sorted(meta["files"]) != sorted(_FILES) or not all(isinstance(v, str) for v in meta["files"].values()):
+        raise bad(f"'files' must name {' and '.join(_FILES)} with their sha256")
+    if not meta["ranks"] or not all(isinstance(r, dict) and isinstance(r.get("loader"), dict)
+                                    and isinstance(r.get("rng"), dict) for r in meta["ranks"]):
+        raise bad("'ranks' must list each rank's loader and RNG state")
+    if not all(isinstance(meta["config"].get(part), dict) for part in ("model", "train")):
+        raise bad("'config' must hold the model and train settings")
+
+
+def _check_safetensors(file: Path) -> None:
+    try:
+        with safe_open(str(file), framework="pt") as opened:
+            opened.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc)[:120]})",
+                              "use another checkpoint") from None
+
+
 def newest_valid(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint that passes verification, and a note for each newer one that did not (a step
-    directory without meta.json included: nanopt never leaves one, so something damaged it)."""
+    """The newest checkpoint (by step number) that passes verification, and a note for each newer one that did
+    not: a step directory without meta.json, a symbolic link, or a directory whose name is not its step."""
     skipped: list[str] = []
-    root = checkpoints_dir(run_dir)
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")) if root.is_dir() else []
-    for path in reversed(steps):
+    for _, path in reversed(step_dirs(run_dir)):
         try:
-            return verify(path), skipped
+            return verify_discovered(path), skipped
         except CheckpointError as exc:
             skipped.append(exc.message)
     return None, skipped
 
 
+def verify_discovered(path: Path) -> Checkpoint:
+    """`verify`, for a step directory nanopt found by itself in checkpoints/: nanopt never writes a link there, and
+    it names every directory after its step, so a link or a misnamed directory was put there by something else."""
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: a symbolic link (nanopt never writes one)", "remove it")
+    found = verify(path)
+    if found.step != step_of(path):
+        raise CheckpointError(f"{path}: its meta.json says step {found.step} (a renamed or copied directory)",
+                              f"rename it to {step_dir_name(found.step)} or remove it")
+    return found
+
+
+def latest(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The checkpoint `latest` names, verified; when it is missing or damaged, the newest valid one, with notes.
+
+    Following the pointer (not the highest step number) is what keeps a fresh start's checkpoints apart from any
+    older ones: the pointer is replaced only after a checkpoint is complete."""
+    root = checkpoints_dir(run_dir)
+    name = read_pointer(root, "latest")
+    if name is None:
+        return newest_valid(run_dir)
+    try:
+        return verify_discovered(_named(root, name)), []
+    except CheckpointError as exc:
+        found, skipped = newest_valid(run_dir)
+        said = (f"{root / name}:", f"{root / name}/")  # the same directory, said once is enough
+        others = [note for note in skipped if not note.startswith(said)]
+        return found, [f"'latest' names {name}, which cannot be used: {exc.message}", *others]
+
+
 def resolve(run_dir: Path, which: str) -> Checkpoint:
-    """`latest` (newest valid), `best`, or a path to a step directory; verified."""
+    """`latest` (the latest pointer, verified), `best`, or a path to a step directory; verified."""
     root = checkpoints_dir(run_dir)
     if which in ("latest", "auto"):
-        found, _ = newest_valid(run_dir)
+        found, _ = latest(run_dir)
         if found is None:
             raise CheckpointError(f"{run_dir}: no complete checkpoint", f"train first: `nanopt train {run_dir}`")
         return found
@@ -229,7 +320,7 @@ def resolve(run_dir: Path, which: str) -> Checkpoint:
         if name is None:
             raise CheckpointError(f"{run_dir}: no 'best' checkpoint yet (it needs an in-loop eval)",
                                   "use --checkpoint latest")
-        return verify(_named(root, name))
+        return verify_discovered(_named(root, name))
     if Path(which).is_dir():  # a path the user typed (absolute or from the current directory) that exists
         return verify(Path(which))
     path = _named(root, which)

@@ -10,15 +10,18 @@ from __future__ import annotations
 import errno
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import DistributedError, NanoptError
-from nanopt.model.flops import count_params, mfu
-from nanopt.runtime import init_runtime, quiesce, shutdown
+from nanopt.model.flops import count_params, mfu, mfu_note
+from nanopt.rundir import RunDir
+from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.events import TrainObserver
+from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import write_loss_chart
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint
@@ -30,39 +33,58 @@ from nanopt.train.step import step
 # torchrun a finished session stays referenced here and the CLI leaves with os._exit (see nanopt.cli.app.main).
 _keep_until_exit: list[Session] = []
 
+# A disk that refuses writes: full, over quota, past a file-size limit, read-only, or not ours to write.
+DISK_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
 
 def train(run: RunConfig, opts: TrainOptions | None = None,
           observer: TrainObserver | None = None) -> dict[str, Any]:
     """Train a run directory to its budget, resuming if asked; returns the end-of-run summary (on every rank)."""
     opts = opts or TrainOptions()
     rt = init_runtime(run.train.precision)
+    lock = RunLock(run.run_dir)
     try:
-        session = setup(run, rt, opts, observer)
+        _lock_on_rank0(rt, lock)
+        session = _reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
         with _preemption_handler(session):
-            summary = _loop_reporting_failures(session)
+            summary = _reporting_failures(run, rt, lambda: loop(session), session)
             quiesce(rt)
             if rt.distributed:
                 _keep_until_exit.append(session)
             return summary
     finally:
+        lock.release()
         shutdown(rt)
 
 
-def _loop_reporting_failures(s: Session) -> dict[str, Any]:
-    """The loop, with a lost peer and a full disk turned into one-line errors that say what is kept."""
+def _lock_on_rank0(rt: Any, lock: RunLock) -> None:
+    """Rank 0 takes the run directory's lock; every rank learns the outcome, so all refuse together."""
+    refusal = None
+    if rt.is_main:
+        try:
+            lock.acquire()
+        except RunLocked as exc:
+            refusal = (exc.message, exc.hint)
+    refusal = broadcast_object(rt, refusal)
+    if refusal is not None:
+        raise RunLocked(*refusal)
+
+
+def _reporting_failures(run: RunConfig, rt: Any, work: Callable[[], Any], s: Session | None = None) -> Any:
+    """`work()`, with a lost peer and a full or read-only disk turned into one-line errors that say what is kept."""
     try:
-        return loop(s)
+        return work()
     except NanoptError:  # decided on every rank together (diverged, disk full), so all can still meet
-        quiesce(s.rt)
+        quiesce(rt)
         raise
     except RuntimeError as exc:
-        if s.rt.distributed and _lost_peer(exc):
-            raise _peer_error(s, exc) from None
+        if rt.distributed and _lost_peer(exc):
+            raise _peer_error(run, rt, s, exc) from None
         raise
     except OSError as exc:  # metrics.jsonl and loss.png meet a full disk first: they are written most often
-        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+        if exc.errno not in DISK_ERRORS:
             raise
-        raise _disk_error(s, exc) from None
+        raise _disk_error(run, s, exc) from None
 
 
 def _lost_peer(exc: RuntimeError) -> bool:
@@ -72,30 +94,37 @@ def _lost_peer(exc: RuntimeError) -> bool:
     return isinstance(exc, dist.DistError) or "gloo" in str(exc) or "NCCL" in str(exc)
 
 
-def _latest(s: Session) -> str:
-    return ckpt.read_pointer(s.paths.checkpoints, "latest") or "none yet"
+def _latest(run: RunConfig) -> str:
+    return ckpt.read_pointer(RunDir(run.run_dir).checkpoints, "latest") or "none yet"
 
 
-def _peer_error(s: Session, exc: RuntimeError) -> DistributedError:
+def _peer_error(run: RunConfig, rt: Any, s: Session | None, exc: RuntimeError) -> DistributedError:
     detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    return DistributedError(f"rank {s.rt.rank} lost contact with another rank at step {s.state.step} ({detail})",
+    where = f" at step {s.state.step}" if s is not None else " while setting up"
+    return DistributedError(f"rank {rt.rank} lost contact with another rank{where} ({detail})",
                             f"another rank died or hung (its own error says why; the wait is capped by "
-                            f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {_latest(s)}): run the "
+                            f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {_latest(run)}): run the "
                             "same command to resume")
 
 
-def _disk_error(s: Session, exc: OSError) -> NanoptError:
-    return NanoptError(f"could not write {exc.filename or 'into ' + str(s.run.run_dir)} at step {s.state.step}: "
-                       f"{exc.strerror}", f"free disk space; complete checkpoints are kept (latest: {_latest(s)}): "
-                       "run the same command to resume")
+def _disk_error(run: RunConfig, s: Session | None, exc: OSError) -> NanoptError:
+    where = f" at step {s.state.step}" if s is not None else " while setting up"
+    return NanoptError(f"could not write {exc.filename or 'into ' + str(run.run_dir)}{where}: {exc.strerror}",
+                       f"free disk space or make {run.run_dir} writable; complete checkpoints are kept (latest: "
+                       f"{_latest(run)}): run the same command to resume")
 
 
 # ------------------------------------------------------------------------------------------------- setup
 
 
 def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver | None = None) -> Session:
-    """A training session, resumed per `opts.resume`, writing metrics and checkpoints into the run directory."""
+    """A training session, resumed per `opts.resume`, writing metrics and checkpoints into the run directory.
+
+    Everything that can be checked before the first step is checked here, so a mistake costs no training: the
+    validation split must feed one evaluation batch per rank when in-loop evaluation is on."""
     session = build_session(run, rt, opts, writes=True, observer=observer)
+    if run.train.eval_interval:
+        _validation_batches(session)
     if rt.is_main:
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
@@ -137,7 +166,7 @@ def loop(s: Session) -> dict[str, Any]:
             loss, norm, stop = step(s)
             window = maybe_log(s, loss, norm, window)
             paused = time.perf_counter()
-            maybe_eval(s)
+            _eval_keeping_the_checkpoint(s)
             maybe_checkpoint(s, force=stop)
             window.time += time.perf_counter() - paused  # tokens/s measures training steps only
             if stop:
@@ -147,6 +176,16 @@ def loop(s: Session) -> dict[str, Any]:
     finally:
         s.observer.stop()
     return summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
+
+
+def _eval_keeping_the_checkpoint(s: Session) -> None:
+    """An evaluation that fails (bad validation data, every rank alike) must not cost the steps since the last
+    checkpoint: save the checkpoint that is due (or one at this step), then report the failure."""
+    try:
+        maybe_eval(s)
+    except NanoptError:
+        maybe_checkpoint(s, force=True)
+        raise
 
 
 def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
@@ -161,9 +200,10 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     now = time.perf_counter()
     elapsed = max(now - window.time, 1e-9)
     tokens_per_s = (st.tokens - window.tokens) / elapsed
+    utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     record = {"step": st.step, "tokens": st.tokens, "loss": loss, "lr": s.optimizer.param_groups[0]["lr"],
-              "grad_norm": norm, "tokens_per_s": tokens_per_s,
-              "mfu": mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops),
+              "grad_norm": norm, "tokens_per_s": tokens_per_s, "mfu": utilization,
+              "mfu_note": mfu_note(utilization, s.peak_flops),
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak()}
     s.metrics.write("train", **record)
@@ -171,16 +211,21 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     return _Window(now, st.tokens)
 
 
-def maybe_eval(s: Session) -> None:
+def _validation_batches(s: Session) -> Any:
     from nanopt.data.loader import eval_batches
+
+    return eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
+                        s.rt.world_size, s.run.train.eval_tokens)
+
+
+def maybe_eval(s: Session) -> None:
     from nanopt.evaluate.loss import evaluate_loss
 
     interval, st = s.run.train.eval_interval, s.state
     due = interval and (st.step % interval == 0 or st.step == s.total_steps)
     if not due:
         return
-    batches = eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
-                           s.rt.world_size, s.run.train.eval_tokens)
+    batches = _validation_batches(s)
     result = evaluate_loss(s.prepared.model, s.rt, batches)
     st.last_val_loss = result.loss
     if st.best_val_loss is None or result.loss < st.best_val_loss:
@@ -210,15 +255,16 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
     st = s.state
     root = s.paths.checkpoints
     tokens_per_s = tokens / max(seconds, 1e-9)
+    utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     summary = {
         "run": str(s.run.run_dir), "steps": st.step, "total_steps": s.total_steps, "tokens": st.tokens,
         "tokens_this_session": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
-        "mfu": mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops),
+        "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
         "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
         "skipped_steps": st.skipped_steps, "latest_checkpoint": ckpt.read_pointer(root, "latest"),
         "best_checkpoint": ckpt.read_pointer(root, "best"), "completed": st.step >= s.total_steps,
     }
-    if s.rt.is_main and s.run.train.eval_interval:
+    if s.rt.is_main and s.run.train.eval_interval and tokens:  # nothing new to draw for a complete run
         write_loss_chart(s.run.run_dir)
     return summary
 

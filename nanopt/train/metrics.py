@@ -24,14 +24,21 @@ class MetricsLog:
         self.enabled = enabled
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint: they will be run again."""
+        """On resume, drop records of steps after the checkpoint: they will be run again. Writes nothing when
+        there is nothing to drop, and leaves the file as it was if the rewrite fails (a full disk)."""
         if not (self.enabled and self.path.is_file()):
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and _record_step(line) <= step]
+        lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+                 if line.strip()]
+        kept = [line for line in lines if _record_step(line) <= step]
+        if len(kept) == len(lines):
+            return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        try:
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            tmp.replace(self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def write(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
@@ -52,7 +59,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # a torn tail is skipped
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

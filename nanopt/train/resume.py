@@ -10,6 +10,7 @@ Three kinds of setting:
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
@@ -66,10 +67,7 @@ def check_resumable(meta: dict[str, Any], run: RunConfig, world_size: int, finge
 def maybe_resume(s: Session) -> None:
     """Restore the session from the checkpoint `--resume` names, or start from scratch."""
     if s.opts.resume == "none":
-        if s.rt.is_main and ckpt.complete_checkpoints(s.run.run_dir):
-            s.observer.note("starting from scratch (--resume none); existing checkpoints are kept until "
-                            "retention replaces them")
-        s.metrics.truncate_after(0)
+        _start_fresh(s)
         return
     found = _find_checkpoint(s)
     if found is None:
@@ -79,10 +77,29 @@ def maybe_resume(s: Session) -> None:
     load_full_model_state(s.prepared, ckpt.load_model_state(found))
     load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
     s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
-    s.metrics.truncate_after(found.step)
     _restore_spike_history(s, found.step)
-    s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
+    if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
+        s.metrics.truncate_after(found.step)
+        s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
     s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
+
+
+def _start_fresh(s: Session) -> None:
+    """Move an earlier run's checkpoints and metrics aside (rank 0), so that nothing of it can be taken for this
+    run's: neither by `nanopt train` resuming after a crash, nor by eval, nor by retention. Nothing is deleted."""
+    if not s.rt.is_main:
+        return
+    paths = s.paths
+    outputs = paths.training_outputs()
+    if not outputs:
+        return
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = paths.previous / stamp
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in outputs:
+        path.rename(aside / path.name)
+    s.observer.note(f"starting from scratch (--resume none): the earlier checkpoints and metrics were moved to "
+                    f"{aside} (delete it when you no longer need it)")
 
 
 def _restore_spike_history(s: Session, step: int) -> None:
@@ -99,7 +116,7 @@ def _restore_spike_history(s: Session, step: int) -> None:
 
 def _find_checkpoint(s: Session) -> ckpt.Checkpoint | None:
     if s.opts.resume == "auto":
-        found, skipped = ckpt.newest_valid(s.run.run_dir)
+        found, skipped = ckpt.latest(s.run.run_dir)
         for note in skipped:
             s.observer.note(f"skipping a damaged checkpoint: {note}")
         return found

@@ -27,8 +27,11 @@ def save_checkpoint(s: Session) -> None:
 def _write(s: Session, model_state: dict, optimizer_state: dict, rank_states: list) -> tuple[str, str] | None:
     st = s.state
     weights, tied = ckpt.dedupe_tied(model_state)
+    # The tokenizer's hash lets eval and export refuse a dataset made with another tokenizer, even once the
+    # training dataset is gone or was re-made at the same path.
     meta = {**s.train_state.state_dict(rank_states), "world_size": s.rt.world_size, "tied": tied,
-            "config": s.run.snapshot(), "data_fingerprint": data_fingerprint(s.dataset)}
+            "config": s.run.snapshot(), "data_fingerprint": data_fingerprint(s.dataset),
+            "tokenizer_sha256": s.dataset.tokenizer_sha256}
     meta.pop("step")  # write_checkpoint sets it
     try:
         path = ckpt.write_checkpoint(s.run.run_dir, st.step, weights, optimizer_state, meta)

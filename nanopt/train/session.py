@@ -70,17 +70,20 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     training step through this without touching a run's metrics or checkpoints. The observer hears from rank 0
     only.
     """
-    from nanopt.data.dataset import TokenDataset
+    from nanopt.data.budget import tokens_to_train
+    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, TokenDataset
     from nanopt.data.loader import TrainLoader, check_budget, check_compatible
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
     memory = MemoryProbe(rt.device)  # before the model: it measures the CUDA context
     accum = run.grad_accum_steps(rt.world_size)
-    dataset = TokenDataset.open(run.train.data)
+    # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
+    # trial or measurement and write nothing, check the cheap things only.
+    dataset = TokenDataset.open(run.train.data, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
     check_compatible(dataset, run.model.vocab_size)
     if check_data_budget:
-        check_budget(dataset, "train", run.total_tokens)
+        check_budget(dataset, "train", tokens_to_train(run))
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)

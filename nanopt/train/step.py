@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from nanopt.errors import DataError, NanoptError
+from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
 from nanopt.train.optim import set_lr
 from nanopt.train.schedule import lr_at
@@ -27,8 +27,7 @@ def step(s: Session) -> tuple[float, float, bool]:
     set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg))
     loss_sum = torch.zeros((), device=s.rt.device)
     for micro in range(s.accum):
-        inputs, targets = s.loader.next_batch()
-        _check_token_ids(s, inputs, targets)
+        inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
         targets = targets.to(s.rt.device, non_blocking=True)
         with s.prepared.gradient_sync(micro == s.accum - 1):
@@ -55,17 +54,6 @@ def step(s: Session) -> tuple[float, float, bool]:
     st.tokens += cfg.global_batch_tokens
     st.last_loss = mean_loss
     return mean_loss, float(norm), any_stop
-
-
-def _check_token_ids(s: Session, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-    """An id past the embedding table (a shard that no longer matches meta.json) would crash the step, on CUDA as
-    a device-side assert; say which data is wrong instead. Two reductions over CPU tensors per micro-batch."""
-    top = max(int(inputs.max()), int(targets.max()))
-    if top >= s.run.model.vocab_size:
-        raise DataError(f"{s.dataset.path}: the train split holds token id {top:,} at step {s.state.step + 1}, "
-                        f"outside the model's vocab_size {s.run.model.vocab_size:,} (meta.json says "
-                        f"{s.dataset.vocab_size:,})", f"a shard changed after tokenizing (meta.json has each shard's "
-                        f"sha256); re-create the dataset: `nanopt tokenize SOURCE --out {s.dataset.path} --force`")
 
 
 def _local(norm: torch.Tensor) -> torch.Tensor:
