@@ -160,7 +160,8 @@ def test_chinchilla_budget_needs_a_run_and_is_20_tokens_per_parameter(tmp_path: 
     from nanopt.model.flops import count_params
 
     run = Path(__file__).resolve().parents[1] / "runs" / "demo"
-    assert resolve_max_tokens("chinchilla", run) == chinchilla_tokens(run)
+    at_chinchilla = load_run(run, {"train_tokens": chinchilla_tokens(run), "max_steps": None})
+    assert resolve_max_tokens("chinchilla", run) == at_chinchilla.total_tokens + 1
     assert chinchilla_tokens(run) == 20 * count_params(load_run(run).model).total
     assert resolve_max_tokens(None) is None
     with pytest.raises(ConfigError, match="--run"):

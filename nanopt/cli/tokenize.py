@@ -54,11 +54,17 @@ def tokenize_command(
     max_tokens: str | None = typer.Option(None, "--max-tokens", help="Stop when train has this many tokens: 2.5B, "
                                                                      "500M, 20e9, or chinchilla (with --run)."),
     run_dir: Path | None = typer.Option(None, "--run", help="Run directory whose model sets --max-tokens "
-                                                            "chinchilla (20 tokens per parameter)."),
+                                                            "chinchilla: 20 tokens per parameter, rounded up to "
+                                                            "the run's whole global batches, plus 1 (what train "
+                                                            "reads)."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
     batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
                                                              "each call is encoded on all cores."),
     threads: int | None = typer.Option(None, "--threads", help="Tokenizer threads (default: every core)."),
+    on_decode_error: str = typer.Option("replace", "--on-decode-error", help="Bytes that are not UTF-8 in local "
+                                                                             "files: replace (with U+FFFD, counted "
+                                                                             "in meta.json) or refuse (stop at the "
+                                                                             "first, naming file and offset)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
@@ -73,7 +79,7 @@ def tokenize_command(
                     val_fraction=val_fraction, test_fraction=test_fraction,
                     max_tokens=resolve_max_tokens(max_tokens, run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
-                    force=force)
+                    on_decode_error=on_decode_error, force=force)
     with _progress() as reporter:
         summary = build_dataset(out, source, progress=reporter, **settings)
     if as_json:
@@ -85,6 +91,7 @@ def tokenize_command(
 def _progress():
     """A rich progress bar on stderr (nothing when stderr is not a terminal), as a pipeline ProgressReporter."""
     import rich.progress as rp
+    from rich.markup import escape
 
     from nanopt.data.pipeline import ProgressReporter
 
@@ -113,6 +120,9 @@ def _progress():
                 bar.update(self.task, rate=rate)
             else:
                 bar.update(self.task, total=1000, completed=round(1000 * fraction), rate=rate)
+
+        def warn(self, message: str) -> None:
+            err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)  # above the bar, one line
 
         def __enter__(self) -> RichReporter:
             bar.start()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nanopt.errors import ConfigError
 
+if TYPE_CHECKING:
+    from nanopt.config import RunConfig
+
 SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-CHINCHILLA_TOKENS_PER_PARAM = 20
 _NUMBER = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
 _HINT = "write e.g. 500M, 2.5B, 20e9, 1000000, or chinchilla (with --run runs/NAME)"
 
@@ -34,10 +38,32 @@ def parse_token_count(text: str, option: str = "--max-tokens") -> int:
 def chinchilla_tokens(run_dir: Path | str) -> int:
     """20 tokens per parameter of the run's model (Hoffmann et al. 2022), parameters as `nanopt estimate` counts."""
     from nanopt.config import load_run
-    from nanopt.model.flops import count_params
+
+    return _chinchilla_budget(load_run(run_dir))
+
+
+def _chinchilla_budget(run: RunConfig) -> int:
+    from nanopt.model import flops
+
+    return flops.chinchilla_tokens(flops.count_params(run.model).total)
+
+
+def tokens_to_train(run: RunConfig) -> int:
+    """The train-split tokens `nanopt train` reads for `run`, each once: its total_steps whole global batches of
+    windows of seq_len + 1 tokens at stride seq_len (nanopt.data.loader), so RunConfig.total_tokens plus the last
+    window's last target."""
+    return run.total_tokens + 1
+
+
+def chinchilla_train_tokens(run_dir: Path | str) -> int:
+    """`--max-tokens chinchilla`: the tokens that training the run for its Chinchilla budget needs. That budget as
+    train_tokens is rounded up to whole global batches, as `nanopt train` rounds it, plus the one extra token, so
+    a run whose train.json says train_tokens = 20 x parameters trains to its end on exactly this dataset."""
+    from nanopt.config import load_run
 
     run = load_run(run_dir)
-    return CHINCHILLA_TOKENS_PER_PARAM * count_params(run.model).total
+    at_chinchilla = dataclasses.replace(run.train, train_tokens=_chinchilla_budget(run), max_steps=None)
+    return tokens_to_train(dataclasses.replace(run, train=at_chinchilla))
 
 
 def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> int | None:
@@ -50,5 +76,5 @@ def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> i
         if run_dir is None:
             raise ConfigError("--max-tokens chinchilla needs --run, the run whose model sets the budget",
                               "add --run runs/NAME")
-        return chinchilla_tokens(run_dir)
+        return chinchilla_train_tokens(run_dir)
     return parse_token_count(text)

@@ -1,9 +1,15 @@
 """The tokenize pipeline: a corpus source in, a dataset directory out (see nanopt.data.dataset for the format).
 
+Local files are checked first (nanopt.data.sources.check_text_file): a file that is not text is refused, bytes that
+are not UTF-8 are counted per file, warned about and recorded in meta.json, or refused with --on-decode-error
+refuse, before anything is written.
+
 Documents stream through in batches: read and split-assigned on the main thread, encoded by the tokenizers
 library's own thread pool (`encode_batch` releases the GIL, and two batches are kept in flight so both cores stay
 busy while the main thread reads the next batch and writes the previous one), then appended to the split's
-shards. Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size.
+shards. A document longer than MAX_PIECE_CHARS is encoded as several pieces, cut where the ids do not change
+(nanopt.data.tokenizer.piece_ends), so the tokenizer's memory does not grow with the longest document either.
+Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size.
 
 Everything is written into a hidden staging directory beside the output and renamed into place at the end, with
 meta.json written last, so an interrupted run never leaves a directory that looks like a complete dataset.
@@ -25,9 +31,9 @@ import numpy as np
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir, write_meta
 from nanopt.data.shards import SplitWriter, token_dtype
-from nanopt.data.sources import Source, open_source
+from nanopt.data.sources import DECODE_ERROR_POLICIES, Source, check_text_file, open_source
 from nanopt.data.stats import SplitStats
-from nanopt.data.tokenizer import NamedTokenizer, load_tokenizer, save_tokenizer, train_bpe
+from nanopt.data.tokenizer import NamedTokenizer, load_tokenizer, piece_ends, save_tokenizer, train_bpe
 from nanopt.errors import ConfigError, DataError
 
 SPLITS = ("train", "val", "test")
@@ -37,7 +43,11 @@ HELD_OUT_FRACTION = 0.005
 # Batches are also capped by bytes: the tokenizer's work space is ~100 bytes per byte of text, so this bounds memory
 # whatever the document sizes (8 MiB batches peaked at ~600 MiB on the built-in corpus, 1 MiB at ~230 MiB).
 MAX_BATCH_BYTES = 1 << 20
+# A longer document is encoded in pieces of at most this many characters (at most 1 MiB of UTF-8): unsplit, a
+# 200 MB line needed ~27 GB of tokenizer work space.
+MAX_PIECE_CHARS = 1 << 18
 ENCODE_AHEAD = 2  # batches being encoded while the main thread reads and writes
+MAX_DECODE_WARNINGS = 20  # files warned about one by one; meta.json has them all
 
 
 @dataclass
@@ -59,7 +69,8 @@ class TokenizeSettings:
     test_fraction: float | None = None
     shard_tokens: int = 100_000_000
     max_tokens: int | None = None  # stop once the train split has this many tokens
-    batch_size: int = 256  # documents per encode call
+    batch_size: int = 256  # documents (or pieces of long ones) per encode call
+    on_decode_error: str = "replace"  # bytes that are not UTF-8 in local files: "replace" (U+FFFD) or "refuse"
     force: bool = False
 
     def validate(self) -> None:
@@ -76,6 +87,10 @@ class TokenizeSettings:
         if self.tokenizer is not None and self.vocab_size is not None:
             raise ConfigError("--vocab-size applies to a trained tokenizer, not to --tokenizer",
                               "give one of --tokenizer NAME and --vocab-size N")
+        if self.on_decode_error not in DECODE_ERROR_POLICIES:
+            raise ConfigError(f"--on-decode-error {self.on_decode_error!r} is not one of "
+                              f"{', '.join(DECODE_ERROR_POLICIES)}",
+                              "replace: such bytes become U+FFFD, counted in meta.json; refuse: stop at the first")
         if self.eos_token is not None and self.tokenizer is None:
             raise ConfigError("--eos-token applies to a loaded --tokenizer only",
                               "a trained tokenizer always ends documents with <|endoftext|>")
@@ -95,13 +110,17 @@ class TokenizeSettings:
 
 
 class ProgressReporter:
-    """Receives progress; the CLI draws it with rich. `fraction` is None when the total is unknown (no ETA)."""
+    """Receives progress and warnings; the CLI draws them with rich. `fraction` is None when the total is unknown
+    (no ETA)."""
 
     def phase(self, description: str) -> None:
         pass
 
     def update(self, documents: int, tokens: int, fraction: float | None) -> None:
         pass
+
+    def warn(self, message: str) -> None:
+        """Something the user must know while the run goes on (the summary repeats it in its warnings)."""
 
 
 def build_dataset(out: Path | str, source: str | Source | None = None, *,
@@ -120,15 +139,53 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
     reporter = progress or ProgressReporter()
     fix_mmap_threshold()
     started = time.monotonic()
+    undecodable = _check_text_files(src, opts, reporter)
     with staging_dir(out) as root:
         named = _prepare_tokenizer(src, opts, reporter)
         run = _Run(src, named, root, opts, reporter)
         run.tokenize()
         save_tokenizer(named, root / "tokenizer.json")
         seconds = time.monotonic() - started
-        meta = write_meta(root, named, run.split_dicts(), src.describe(), _settings_record(opts), run.extra(),
-                          seconds)
+        meta = write_meta(root, named, run.split_dicts(), _source_record(src, undecodable), _settings_record(opts),
+                          run.extra(), seconds)
     return _summary(out, meta, seconds, run)
+
+
+def _check_text_files(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> dict[str, int] | None:
+    """Undecodable bytes per file of a source of local files (those with any), or None for other sources.
+
+    Raises DataError for a file that is not text, and with --on-decode-error refuse at the first undecodable byte:
+    before anything is written or trained.
+    """
+    files = src.text_files() if hasattr(src, "text_files") else []  # optional for sources of in-memory text
+    if not files:
+        return None
+    reporter.phase(f"checking that {len(files):,} files are UTF-8 text")
+    counts: dict[str, int] = {}
+    for done, file in enumerate(files, 1):
+        count = check_text_file(file, refuse=opts.on_decode_error == "refuse")
+        if count:
+            counts[file.name] = count
+            _warn_undecodable(reporter, file.name, count, len(counts))
+        reporter.update(done, 0, done / len(files))
+    return counts
+
+
+def _warn_undecodable(reporter: ProgressReporter, name: str, count: int, files_so_far: int) -> None:
+    if files_so_far <= MAX_DECODE_WARNINGS:
+        reporter.warn(f"{name}: {count:,} bytes that are not UTF-8 will be replaced with U+FFFD "
+                      "(--on-decode-error refuse stops instead)")
+    if files_so_far == MAX_DECODE_WARNINGS:
+        reporter.warn("further files with bytes that are not UTF-8 are not listed here: meta.json has every count "
+                      "(source.undecodable_bytes_by_file)")
+
+
+def _source_record(src: Source, undecodable: dict[str, int] | None) -> dict[str, Any]:
+    """The source as meta.json records it; for local files with the bytes that were not UTF-8, per file."""
+    if undecodable is None:
+        return src.describe()
+    return {**src.describe(), "undecodable_bytes": sum(undecodable.values()),
+            "undecodable_bytes_by_file": undecodable}
 
 
 def _prepare_tokenizer(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> NamedTokenizer:
@@ -140,7 +197,8 @@ def _prepare_tokenizer(src: Source, opts: TokenizeSettings, reporter: ProgressRe
 
 
 def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> Iterator[str]:
-    """Training-split documents from the start of the source, up to the byte bound (val/test stay unseen)."""
+    """Training-split documents from the start of the source, up to the byte bound (val/test stay unseen). Long
+    documents come in the pieces they are encoded in: the trainer's memory, too, grows with what it gets at once."""
     val, test = opts.val_fraction, opts.test_fraction
     taken = documents = 0
     known = src.size_hint().bytes
@@ -148,15 +206,16 @@ def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressRep
     for raw in src.texts():
         if _is_empty(raw):
             continue
-        text, data = _clean(raw)
-        if split_of(data, val, test) != "train":
+        split, pieces = document_pieces(raw, val, test)
+        if split != "train":
             continue
-        yield text
-        taken += len(data)
         documents += 1
-        reporter.update(documents, 0, min(1.0, taken / expected))
-        if taken >= opts.tokenizer_sample_bytes:
-            return
+        for text, nbytes in pieces:
+            yield text
+            taken += nbytes
+            reporter.update(documents, 0, min(1.0, taken / expected))
+            if taken >= opts.tokenizer_sample_bytes:
+                return
 
 
 def split_of(data: bytes, val_fraction: float, test_fraction: float) -> str:
@@ -165,10 +224,31 @@ def split_of(data: bytes, val_fraction: float, test_fraction: float) -> str:
     Depends on the text alone, so it is deterministic, independent of order and batch size, and identical copies
     of a document always land in the same split (no duplicate leaks from train into val).
     """
-    position = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") / 2.0**64
+    return _split_of_hash(hashlib.blake2b(data, digest_size=8), val_fraction, test_fraction)
+
+
+def _split_of_hash(digest: Any, val_fraction: float, test_fraction: float) -> str:
+    position = int.from_bytes(digest.digest(), "little") / 2.0**64
     if position < val_fraction:
         return "val"
     return "test" if position < val_fraction + test_fraction else "train"
+
+
+def document_pieces(raw: str, val_fraction: float, test_fraction: float) -> tuple[str, list[tuple[str, int]]]:
+    """A document's split and the (text, UTF-8 byte count) pieces it is encoded in: one piece unless it is longer
+    than MAX_PIECE_CHARS. The split hashes all of the document's bytes piece by piece, as split_of hashes them at
+    once; cleaning is per character, so the pieces clean as the whole document does."""
+    ends = piece_ends(raw, MAX_PIECE_CHARS)
+    if len(ends) == 1:
+        text, data = _clean(raw)
+        return split_of(data, val_fraction, test_fraction), [(text, len(data))]
+    digest = hashlib.blake2b(digest_size=8)
+    pieces = []
+    for start, end in zip([0, *ends[:-1]], ends, strict=True):
+        text, data = _clean(raw[start:end])
+        digest.update(data)
+        pieces.append((text, len(data)))
+    return _split_of_hash(digest, val_fraction, test_fraction), pieces
 
 
 def _is_empty(text: str) -> bool:
@@ -187,9 +267,12 @@ def _clean(text: str) -> tuple[str, bytes]:
 
 @dataclass
 class _Batch:
+    """Pieces to encode together: whole documents, or consecutive pieces of a long one (last: it ends there)."""
+
     texts: list[str] = field(default_factory=list)
     splits: list[str] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    last: list[bool] = field(default_factory=list)
 
 
 class _Run:
@@ -232,35 +315,39 @@ class _Run:
             if _is_empty(raw):
                 self.skipped_empty += 1
                 continue
-            text, data = _clean(raw)
-            batch.texts.append(text)
-            batch.splits.append(split_of(data, val, test))
-            batch.nbytes.append(len(data))
-            batch_bytes += len(data)
-            self.read_bytes += len(data)
-            if len(batch.texts) >= self.opts.batch_size or batch_bytes >= MAX_BATCH_BYTES:
-                yield batch
-                batch, batch_bytes = _Batch(), 0
+            split, pieces = document_pieces(raw, val, test)
+            for number, (text, nbytes) in enumerate(pieces, 1):
+                batch.texts.append(text)
+                batch.splits.append(split)
+                batch.nbytes.append(nbytes)
+                batch.last.append(number == len(pieces))
+                batch_bytes += nbytes
+                self.read_bytes += nbytes
+                if len(batch.texts) >= self.opts.batch_size or batch_bytes >= MAX_BATCH_BYTES:
+                    yield batch
+                    batch, batch_bytes = _Batch(), 0
         if batch.texts:
             yield batch
 
     def _write(self, batch: _Batch, ids: list[list[int]]) -> bool:
         """Append a batch to the shards; True when the train budget is reached (the batch is cut there)."""
-        cut = self._budget_cut(batch, ids)
-        count = len(ids) if cut is None else cut[0] + 1
+        cut, keeps_eos = self._budget_cut(batch, ids) or (None, False)
+        count = len(ids) if cut is None else cut + 1
+        eos = [batch.last[i] and (i != cut or keeps_eos) for i in range(count)]
+        ends = [batch.last[i] or i == cut for i in range(count)]  # a document cut at the budget ends there
         for split in SPLITS:
             members = [i for i in range(count) if batch.splits[i] == split]
             if members:
-                documents = [ids[i] for i in members]
-                tokens = self._concatenate(documents, drop_last_eos=cut is not None and cut[1] and split == "train")
+                tokens = self._concatenate([ids[i] for i in members], [eos[i] for i in members])
                 self.writers[split].write(tokens)
-                self.stats[split].add([len(d) for d in documents], [batch.nbytes[i] for i in members], tokens)
+                self.stats[split].add([len(ids[i]) for i in members], [batch.nbytes[i] for i in members],
+                                      [ends[i] for i in members], tokens)
         self._report()
         return cut is not None
 
     def _budget_cut(self, batch: _Batch, ids: list[list[int]]) -> tuple[int, bool] | None:
-        """(index of the train document that reaches --max-tokens, whether it was shortened to end exactly there
-        without its EOS), or None while the budget is not reached."""
+        """(index of the train piece at which the split reaches --max-tokens, whether its document's EOS still
+        fits), or None while the budget is not reached. A piece that goes over is shortened to end exactly there."""
         budget = self.opts.max_tokens
         if budget is None:
             return None
@@ -268,27 +355,28 @@ class _Run:
         for i, split in enumerate(batch.splits):
             if split != "train":
                 continue
-            train_tokens += len(ids[i]) + 1
+            train_tokens += len(ids[i]) + batch.last[i]
             overshoot = train_tokens - budget
             if overshoot == 0:
-                return i, False
+                return i, batch.last[i]
             if overshoot > 0:
-                ids[i] = ids[i][:len(ids[i]) + 1 - overshoot]
-                text = self.named.tokenizer.decode(ids[i], skip_special_tokens=False)
-                batch.nbytes[i] = len(_clean(text)[1])
-                return i, True
+                keep = len(ids[i]) + batch.last[i] - overshoot  # the EOS goes first, then tokens
+                if keep < len(ids[i]):
+                    ids[i] = ids[i][:keep]
+                    text = self.named.tokenizer.decode(ids[i], skip_special_tokens=False)
+                    batch.nbytes[i] = len(_clean(text)[1])
+                return i, False
         return None
 
-    def _concatenate(self, documents: list[list[int]], drop_last_eos: bool) -> np.ndarray:
-        """One token array: each document followed by EOS, except a last document cut at the budget. Filled in
-        place, without a batch-sized Python list (large short-lived allocations fragment the heap)."""
-        total = sum(len(doc) + 1 for doc in documents) - drop_last_eos
-        tokens = np.empty(total, dtype=self.dtype)
+    def _concatenate(self, pieces: list[list[int]], eos: list[bool]) -> np.ndarray:
+        """One token array: each piece, followed by EOS where eos says (the end of its document). Filled in place,
+        without a batch-sized Python list (large short-lived allocations fragment the heap)."""
+        tokens = np.empty(sum(len(piece) for piece in pieces) + sum(eos), dtype=self.dtype)
         position = 0
-        for doc in documents:
-            tokens[position:position + len(doc)] = doc
-            position += len(doc)
-            if position < total:
+        for piece, ends_with_eos in zip(pieces, eos, strict=True):
+            tokens[position:position + len(piece)] = piece
+            position += len(piece)
+            if ends_with_eos:
                 tokens[position] = self.named.eos_id
                 position += 1
         return tokens
@@ -353,9 +441,15 @@ def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run) -> dict
                 f"--sample-by paragraph)" for name in ("val", "test") if not splits[name]["documents"]
                 and meta["settings"][f"{name}_fraction"] > 0]
     warnings += [f"leftover {p} from an interrupted run: delete it" for p in leftover_staging_dirs(out)]
+    undecodable = meta["source"].get("undecodable_bytes_by_file", {})
+    if undecodable:
+        files = f"{len(undecodable):,} file" + ("s" if len(undecodable) > 1 else "")
+        warnings.append(f"{sum(undecodable.values()):,} bytes that are not UTF-8 in {files} were replaced with U+FFFD "
+                        "(per file: source.undecodable_bytes_by_file in meta.json)")
     encode_seconds = max(run.seconds, 1e-9)
     return {"out": str(out), "tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
             "dtype": meta["dtype"], "splits": splits, "documents": documents, "tokens": tokens,
             "seconds": round(seconds, 3), "tokenize_seconds": round(run.seconds, 3),
             "tokens_per_second": round(tokens / encode_seconds, 1),
-            "documents_per_second": round(documents / encode_seconds, 1), **run.extra(), "warnings": warnings}
+            "documents_per_second": round(documents / encode_seconds, 1), **run.extra(),
+            "undecodable_bytes": sum(undecodable.values()), "warnings": warnings}

@@ -58,15 +58,24 @@ class SplitStats:
         self.bytes = 0
         self.max_token_id = -1
         self.lengths = LengthHistogram()
+        self._open_document_tokens = 0  # of a long document whose last piece is still to come
 
-    def add(self, lengths: list[int], byte_counts: list[int], tokens: np.ndarray) -> None:
-        self.documents += len(lengths)
+    def add(self, lengths: list[int], byte_counts: list[int], ends: list[bool], tokens: np.ndarray) -> None:
+        """Pieces in order, with their token counts (without EOS) and bytes; `ends` marks each document's last
+        piece. Most documents are one piece; the pieces of a long one may come over several calls."""
+        finished = []
+        for length, end in zip(lengths, ends, strict=True):
+            self._open_document_tokens += length
+            if end:
+                finished.append(self._open_document_tokens)
+                self._open_document_tokens = 0
+        self.documents += len(finished)
         self.document_tokens += sum(lengths)
         self.tokens += int(tokens.size)
         self.bytes += sum(byte_counts)
         if tokens.size:
             self.max_token_id = max(self.max_token_id, int(tokens.max()))
-        self.lengths.add(np.asarray(lengths))
+        self.lengths.add(np.asarray(finished, dtype=np.int64))
 
     def to_dict(self) -> dict[str, Any]:
         """Deterministic figures only (no times), as stored per split in meta.json."""

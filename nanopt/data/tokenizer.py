@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,3 +188,42 @@ class _CountingIterator:
 
 def save_tokenizer(named: NamedTokenizer, path: Path) -> None:
     named.tokenizer.save(str(path))
+
+
+def piece_ends(text: str, max_chars: int) -> list[int]:
+    """Where to cut `text` into pieces of at most `max_chars` characters that encode to the same ids as the whole.
+
+    The tokenizer's work space grows with the text it is given at once (~135 bytes per byte), so a long document is
+    encoded piece by piece. BPE merges never cross a pre-token boundary, so a cut there changes no id. The cuts
+    used, in order of preference, within the second half of each piece:
+    - before a space that follows a non-space: a boundary for the GPT-2 and Llama 3 regexes and for Metaspace
+      (SentencePiece-style) pre-tokenizers alike, as none of their pre-tokens runs from a non-space into a space
+      (and a piece that starts with a space gets no second word-start mark from Metaspace);
+    - before a newline that follows a letter or digit: exact for the byte-level regexes (Llama 3 keeps punctuation
+      and the newlines after it together, hence not after punctuation); Metaspace may add a word-start mark there;
+    - else exactly at the bound (a minified dump, base64): the ids may differ around that cut only.
+    Prose has a space in every few characters, so the last two are for text that has almost none.
+    Returns the end offset of each piece; the last is len(text).
+    """
+    ends: list[int] = []
+    start = 0
+    while len(text) - start > max_chars:
+        low, high = start + max(1, max_chars // 2), start + max_chars
+        cut = (_last_cut_before(text, " ", low, high, _not_space)
+               or _last_cut_before(text, "\n", low, high, str.isalnum) or high)
+        ends.append(cut)
+        start = cut
+    ends.append(len(text))
+    return ends
+
+
+def _not_space(char: str) -> bool:
+    return not char.isspace()
+
+
+def _last_cut_before(text: str, char: str, low: int, high: int, follows: Callable[[str], bool]) -> int | None:
+    """The largest p in [low, high] with text[p] == char and follows(text[p - 1]), or None (low >= 1)."""
+    position = text.rfind(char, low, high + 1)
+    while position != -1 and not follows(text[position - 1]):
+        position = text.rfind(char, low, position)
+    return None if position == -1 else position
