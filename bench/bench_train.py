@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineGPT  # noqa: E402
 
 from nanopt.config import load_run  # noqa: E402
-from nanopt.model.flops import flops_per_token, mfu  # noqa: E402
+from nanopt.model.flops import flops_per_token, mfu, mfu_note  # noqa: E402
 from nanopt.model.transformer import Transformer  # noqa: E402
 from nanopt.runtime import MemoryProbe, device_peak_flops, init_runtime  # noqa: E402
 from nanopt.train.events import Silent  # noqa: E402
@@ -168,7 +168,8 @@ def main() -> None:
     for name, (seconds, peak) in results.items():
         tps = tokens / seconds
         utilization = mfu(tps, fpt, 1, peak_flops)
-        mfu_text = f"{100 * utilization:.1f}%" if utilization is not None else "-"
+        mfu_text = f"{100 * utilization:.1f}%" if utilization is not None else (mfu_note(utilization, peak_flops)
+                                                                                 or "-")
         print(f"{name:9s}: {tps:12,.0f} tokens/s  MFU {mfu_text:>6s}  step {1000 * seconds:8.1f} ms  "
               f"peak memory {peak / 2**30:6.2f} GiB")
     if "baseline" in results:

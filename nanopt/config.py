@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -23,6 +24,14 @@ Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Parallelism = Literal["ddp", "fsdp"]
 CompileMode = bool | Literal["auto"]
+
+# Every integer in these files fits in 64 bits: torch and numpy hold them as int64, and past that they fail with a
+# traceback (or wrap around) far from the file that caused it.
+INT64_MAX = 2**63 - 1
+# No model dimension (vocabulary, widths, layers, heads, positions) above 2**24 = 16,777,216: a hundred times the
+# largest of each in today's models, and small enough that every size derived from them stays exact. A value past it
+# is a typo, whose model would ask for petabytes at the first allocation.
+MAX_MODEL_DIMENSION = 2**24
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,14 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def validate(self, source: str = "model.json") -> None:
-        _check_positive(self, source, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                       "max_position_embeddings", "intermediate_size", "num_key_value_heads"))
+        dimensions = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "max_position_embeddings", "intermediate_size", "num_key_value_heads")
+        _check_positive(self, source, dimensions)
+        for name in dimensions:
+            if getattr(self, name) > MAX_MODEL_DIMENSION:
+                raise ConfigError(f"{source}: key '{name}': {getattr(self, name)} is larger than "
+                                  f"{MAX_MODEL_DIMENSION:,}, the largest model dimension nanopt accepts",
+                                  "check for a typo; see runs/*/model.json for typical values")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"{source}: key 'num_attention_heads': {self.num_attention_heads} does not divide "
@@ -130,8 +145,9 @@ class TrainConfig:
     spike_threshold: float = 6.0  # loss-spike report: this many standard deviations above the rolling mean
 
     def validate(self, model: ModelConfig, source: str = "train.json") -> None:
+        _check_dataset_path(self.data, source)
         _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "keep_checkpoints",
-                                       "log_interval", "max_nonfinite_steps"))
+                                       "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
                                            "weight_decay", "seed"))
         if (self.train_tokens is None) == (self.max_steps is None):
@@ -187,6 +203,9 @@ class RunConfig:
 
     def grad_accum_steps(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step: global batch / (micro batch x seq_len x world size), exactly."""
+        if world_size < 1:  # a launcher count of 0 or less; dividing by it would be a ZeroDivisionError or worse
+            raise ConfigError(f"world size {world_size}: a run needs at least one rank",
+                              "--nproc-per-node and --nnodes are each at least 1")
         per_step = self.tokens_per_micro_batch * world_size
         accum, remainder = divmod(self.train.global_batch_tokens, per_step)
         if remainder or accum == 0:
@@ -242,6 +261,30 @@ def _check_non_negative(cfg: Any, source: str, names: tuple[str, ...]) -> None:
             raise ConfigError(f"{source}: key '{name}': must not be negative, got {value}", "use 0 or more")
 
 
+def _check_dataset_path(data: str, source: str) -> None:
+    """A `data` value the operating system cannot even look up (empty, a NUL byte, a name too long) is a typo in
+    train.json, not a missing dataset: say so here rather than fail inside a path lookup."""
+    problem = "is empty" if not data.strip() else None
+    if problem is None:
+        try:
+            os.stat(data)
+        except FileNotFoundError:
+            pass  # a missing dataset is reported when the dataset is opened, with how to make it
+        except (OSError, ValueError) as exc:  # ENAMETOOLONG, ELOOP, EACCES ...; ValueError: embedded NUL byte
+            problem = f"is not a usable path ({getattr(exc, 'strerror', None) or exc})"
+    if problem:
+        raise ConfigError(f"{source}: key 'data': {_show(data)} {problem}",
+                          "give the dataset directory made by `nanopt tokenize`, e.g. \"data/stdlib\"")
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A value as it goes into a one-line message: its repr, shortened if long (a 100,000-character string)."""
+    if isinstance(value, int) and abs(value).bit_length() > 128:  # repr refuses past 4,300 digits
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1:,} digits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 # ---------------------------------------------------------------------------------------------- parsing
 
 
@@ -280,11 +323,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return _coerce(value, option, where)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(f"{where}: {value!r} is not {_describe(annotation)}", errors[-1].hint)
+        hint = next((e.hint for e in errors if e.hint), "")  # null's own error has none
+        raise ConfigError(f"{where}: {_show(value)} is not {_describe(annotation)}", hint)
     if origin is Literal:
         if value in get_args(annotation) and type(value) in {type(a) for a in get_args(annotation)}:
             return value
-        raise ConfigError(f"{where}: {value!r} is not one of {_describe(annotation)}",
+        raise ConfigError(f"{where}: {_show(value)} is not one of {_describe(annotation)}",
                           f"use one of {_describe(annotation)}")
     if annotation is type(None):
         if value is None:
@@ -293,22 +337,32 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}", "JSON booleans are true / false")
+        raise ConfigError(f"{where}: expected true or false, got {_show(value)}", "JSON booleans are true / false")
     if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}", "write a whole number such as 1024")
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT64_MAX:
+                raise ConfigError(f"{where}: {_show(value)} is out of range (more than 2**63 - 1)",
+                                  "check for a typo: every integer here fits in 64 bits")
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {_show(value)}", "write a whole number such as 1024")
     if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}", "write a number such as 6e-4")
+        raise ConfigError(f"{where}: expected a finite number, got {_show(value)}", "write a number such as 6e-4")
     if annotation is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}", "put the value in double quotes")
+        raise ConfigError(f"{where}: expected a string, got {_show(value)}", "put the value in double quotes")
     raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (hundreds of digits)
+        return False
 
 
 def _describe(annotation: Any) -> str:
@@ -321,15 +375,31 @@ def _describe(annotation: Any) -> str:
 
 
 def read_json(path: Path) -> Any:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a JSON file", "copy the file from runs/demo or a preset in "
+                                                                       "runs/")
     if not path.is_file():
         raise ConfigError(f"{path}: file not found", "copy one from runs/demo or a preset in runs/")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-                          "check for a trailing comma or a missing quote") from None
+        return parse_json_text(path.read_text(encoding="utf-8"), str(path))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text", "save the file as UTF-8 JSON") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})", "check the file's permissions") from None
+
+
+def parse_json_text(text: str, where: str) -> Any:
+    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one ConfigError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                          "check for a trailing comma, a missing quote or a cut-off end") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{where}: malformed JSON: {str(exc).split(';')[0]}",
+                          "check for a typo in a number") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: malformed JSON: nested too deeply to read", "check for runaway brackets") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -341,9 +411,29 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE", "e.g. --set learning_rate=3e-4")
         try:
             overrides[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError:  # not JSON: the text itself, as a string
             overrides[key.strip()] = raw
+        except (ValueError, RecursionError):  # JSON json.loads gives up on (5,000 digits, runaway brackets)
+            overrides[key.strip()] = parse_json_text(raw, f"--set {key.strip()}")  # raises a ConfigError
     return overrides
+
+
+def check_option(option: str, value: float | None, low: float, high: float, hint: str, *,
+                 above_low: bool = False) -> None:
+    """ConfigError unless `value` (None: not given) is a finite number in [low, high], or (low, high] with
+    `above_low`. The one range check of the library's option classes (estimate, find-batch, profile, eval), so a
+    NaN, an infinity or a number past what the option can mean is refused with its option name, in one line."""
+    if value is None:
+        return
+    in_range = _finite(value) and (value > low if above_low else value >= low) and value <= high
+    if not in_range:
+        interval = f"{'(' if above_low else '['}{_number(low)}, {_number(high)}]"
+        raise ConfigError(f"{option}: {_show(value)} is outside {interval}", hint)
+
+
+def _number(x: float) -> str:
+    """1,000,000 for whole numbers people read at a glance, 1e+18 or 0.99 otherwise."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
 def load_model_config(path: Path) -> ModelConfig:
@@ -355,7 +445,15 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load and validate runs/NAME/model.json and train.json, applying `--set` overrides to train.json."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    try:
+        is_file, is_dir = run_dir.is_file(), run_dir.is_dir()
+    except OSError as exc:  # a name too long to look up, a loop of symbolic links
+        raise ConfigError(f"{_show(str(run_dir))}: not a usable path ({exc.strerror})",
+                          "pass a run directory such as runs/demo") from None
+    if is_file:
+        raise ConfigError(f"{run_dir}: is a file, not a run directory",
+                          "pass the directory that holds model.json and train.json, e.g. runs/demo")
+    if not is_dir:
         raise ConfigError(f"{run_dir}: run directory not found",
                           "create one with model.json and train.json, or copy runs/demo")
     model = load_model_config(run_dir / "model.json")

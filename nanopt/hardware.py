@@ -23,6 +23,7 @@ class GPU:
     tf32_tflops: float  # dense tf32 tensor-core peak: what fp32 matmuls reach with TF32 enabled
     memory_bytes: int
     usd_per_hour: float
+    device_words: tuple[str, ...]  # the words of torch.cuda.get_device_name() that identify this card
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for the compute dtype: bf16/fp16 tensor cores, or TF32 for fp32 runs."""
@@ -30,53 +31,107 @@ class GPU:
         return tflops * 1e12
 
 
+# Sources: NVIDIA's datasheets and architecture whitepapers, halving every "with sparsity" figure. GeForce cards
+# (and AWS's A10G) run bf16 with fp32 accumulation at half their fp16-accumulate rate; that half is listed.
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    GPU("a100-40gb", "NVIDIA A100 40GB SXM", 312.0, 156.0, 40 * GIB, 1.29),
-    GPU("a100-80gb", "NVIDIA A100 80GB SXM", 312.0, 156.0, 80 * GIB, 1.79),
-    GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989.4, 494.7, 80 * GIB, 2.99),
-    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.0, 378.0, 80 * GIB, 2.49),
-    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 141 * GB, 3.79),
-    GPU("b200", "NVIDIA B200 180GB", 2250.0, 1100.0, 180 * GB, 5.99),
-    GPU("l4", "NVIDIA L4 24GB", 121.0, 60.0, 24 * GB, 0.80),
-    GPU("a10", "NVIDIA A10 24GB", 125.0, 62.5, 24 * GB, 0.75),
-    GPU("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 71.0, 35.6, 24 * GB, 0.22),
-    GPU("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 82.6, 24 * GB, 0.35),
+    GPU("a100-40gb", "NVIDIA A100 40GB SXM", 312.0, 156.0, 40 * GIB, 1.29, ("a100",)),
+    GPU("a100-80gb", "NVIDIA A100 80GB SXM", 312.0, 156.0, 80 * GIB, 1.79, ("a100", "80gb")),
+    GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989.4, 494.7, 80 * GIB, 2.99, ("h100",)),
+    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.0, 378.0, 80 * GIB, 2.49, ("h100", "pcie")),
+    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5, 417.5, 94 * GB, 2.79, ("h100", "nvl")),
+    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 141 * GB, 3.79, ("h200",)),
+    GPU("h200-nvl", "NVIDIA H200 NVL 141GB", 835.5, 417.5, 141 * GB, 3.49, ("h200", "nvl")),
+    GPU("gh200", "NVIDIA GH200 96GB", 989.4, 494.7, 96 * GB, 1.49, ("gh200",)),
+    GPU("b200", "NVIDIA B200 180GB", 2250.0, 1100.0, 180 * GB, 5.99, ("b200",)),
+    GPU("l40s", "NVIDIA L40S 48GB", 362.05, 183.0, 48 * GB, 1.09, ("l40s",)),
+    GPU("l40", "NVIDIA L40 48GB", 181.05, 90.5, 48 * GB, 0.89, ("l40",)),
+    GPU("l4", "NVIDIA L4 24GB", 121.0, 60.0, 24 * GB, 0.80, ("l4",)),
+    GPU("a40", "NVIDIA A40 48GB", 149.7, 74.8, 48 * GB, 0.44, ("a40",)),
+    GPU("a10", "NVIDIA A10 24GB", 125.0, 62.5, 24 * GB, 0.75, ("a10",)),
+    GPU("a10g", "NVIDIA A10G 24GB (AWS)", 70.0, 35.0, 24 * GB, 1.01, ("a10g",)),
+    GPU("rtx-a6000", "NVIDIA RTX A6000 48GB", 154.8, 77.4, 48 * GB, 0.79, ("a6000",)),
+    GPU("rtx-6000-ada", "NVIDIA RTX 6000 Ada 48GB", 364.2, 182.1, 48 * GB, 0.99, ("6000", "ada")),
+    GPU("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 71.0, 35.6, 24 * GB, 0.22, ("3090",)),
+    GPU("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 82.6, 24 * GB, 0.35, ("4090",)),
+    GPU("rtx-5090", "NVIDIA GeForce RTX 5090 32GB", 209.5, 104.8, 32 * GB, 0.69, ("5090",)),
 )}
 
 DEFAULT_GPU = "h100-sxm"
 
+# Short names people type: the card each is taken to mean, and how to ask for the others it could mean.
+ALIASES: dict[str, tuple[str, str]] = {
+    "h100": ("h100-sxm", "pass --gpu h100-pcie or h100-nvl for the PCIe or NVL card"),
+    "h200-sxm": ("h200", "pass --gpu h200-nvl for the NVL card"),
+    "a100": ("a100-80gb", "pass --gpu a100-40gb for the 40 GB card"),
+    "a100-80": ("a100-80gb", ""),
+    "a100-40": ("a100-40gb", ""),
+    "6000-ada": ("rtx-6000-ada", ""),
+    "a6000": ("rtx-a6000", ""),
+    "3090": ("rtx-3090", ""),
+    "4090": ("rtx-4090", ""),
+    "5090": ("rtx-5090", ""),
+}
+
+# Words that make a card another card than the one named before them (RTX 3090 Ti, RTX 4090 Laptop GPU,
+# RTX 4090 D): a name with one of them matches only an entry that lists it.
+VARIANT_WORDS = frozenset({"ti", "super", "laptop", "mobile", "max", "d"})
+
 
 def get_gpu(key: str) -> GPU:
-    normalized = key.lower().replace("_", "-").replace(" ", "-")
-    if normalized in GPUS:
-        return GPUS[normalized]
+    """The table entry for --gpu: a key, in any spelling (H100_PCIE, rtx4090), or an alias (h100)."""
+    return resolve_gpu(key)[0]
+
+
+def resolve_gpu(key: str) -> tuple[GPU, str | None]:
+    """The table entry for --gpu, and for an alias a one-line note saying which card it was taken to mean."""
+    wanted = _squash(key)
+    for name, gpu in GPUS.items():
+        if _squash(name) == wanted:
+            return gpu, None
+    for alias, (name, others) in ALIASES.items():
+        if _squash(alias) == wanted:
+            gpu = GPUS[name]
+            return gpu, f"{key} -> {gpu.name}" + (f"; {others}" if others else "")
     raise ConfigError(f"--gpu: unknown GPU '{key}'",
-                      f"known: {', '.join(GPUS)}; or pass --peak-tflops and --gpu-memory for another accelerator")
+                      f"known: {', '.join(GPUS)} (or short names: {', '.join(ALIASES)}); or pass --peak-tflops "
+                      "and --gpu-memory for another accelerator")
+
+
+def _squash(key: str) -> str:
+    """'H100_PCIe', 'h100 pcie' and 'h100pcie' all read as 'h100pcie'."""
+    return "".join(ch for ch in key.lower() if ch.isalnum())
 
 
 def detect_gpu(device_name: str) -> GPU | None:
-    """Match torch.cuda.get_device_name() to the table, for MFU in train/profile/find-batch."""
-    name = device_name.lower()
-    rules = [("b200", "b200"), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-             ("a100", "a100-80gb" if "80" in name else "a100-40gb"), ("l4", "l4"), ("a10", "a10"),
-             ("3090", "rtx-3090"), ("4090", "rtx-4090")]
-    for needle, key in rules:
-        if needle in name:
-            return GPUS[key]
-    return None
+    """Match torch.cuda.get_device_name() to the table, for MFU in train/profile/find-batch; None if not there.
+
+    Names are compared word by word, never as substrings: "NVIDIA L40S" is not an L4, "NVIDIA GH200 480GB" not an
+    H200. Of the entries whose words all appear in the name, the one with the most words wins ("NVIDIA H100 NVL"
+    is the NVL entry, not the plain H100). A card that is not in the table gets no peak rather than a wrong one.
+    """
+    words = set(device_name.lower().replace("-", " ").replace("_", " ").split())
+    variants = words & VARIANT_WORDS
+    matches = [gpu for gpu in GPUS.values() if set(gpu.device_words) <= words and variants <= set(gpu.device_words)]
+    return max(matches, key=lambda gpu: len(gpu.device_words), default=None)
+
+
+# The largest memory size an option may give: 1 EiB, a million times today's largest GPU. Past it a size is a typo,
+# and NaN or infinity would fail inside int() with a traceback.
+MAX_SIZE_BYTES = 1 << 60
 
 
 def parse_size(text: str, option: str = "--gpu-memory") -> int:
-    """'40GiB', '40GB', '512MiB', '2G' -> bytes (G / GiB are binary, GB decimal)."""
+    """'40GiB', '40GB', '512MiB', '2G' -> bytes (G / GiB are binary, GB decimal), from 1 byte to MAX_SIZE_BYTES."""
     units = {"tib": 1 << 40, "gib": GIB, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": GB, "mb": 10**6,
              "kb": 10**3, "t": 1 << 40, "g": GIB, "m": 1 << 20, "k": 1 << 10, "b": 1, "": 1}
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):]
     try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ConfigError(f"{option}: cannot read size '{text}'", "write it like 40GiB, 80GB or 512MiB")
-    return int(value * units[unit])
+        size = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{option}: cannot read size {text[:40]!r}", "write it like 40GiB, 80GB or 512MiB") from None
+    if not 1 <= size <= MAX_SIZE_BYTES:  # also NaN and infinity
+        raise ConfigError(f"{option}: size {text[:40]!r} is outside 1 byte to 1 EiB",
+                          "write it like 40GiB, 80GB or 512MiB")
+    return int(size)

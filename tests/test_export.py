@@ -154,16 +154,18 @@ def test_mismatched_weights_are_refused_and_leave_nothing(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_existing_directory_needs_force_and_is_replaced_whole(tmp_path):
+def test_an_earlier_export_needs_force_and_is_replaced_whole_but_other_files_never(tmp_path):
     cfg = tiny("llama")
     state = trained_looking_model(cfg).state_dict()
-    out = tmp_path / "export"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an older export")
+    out = export_hf(cfg, state, None, tmp_path / "export")
     with pytest.raises(ConfigError, match="not empty"):
         export_hf(cfg, state, None, out)
-    assert (out / "stale.txt").exists()
 
     export_hf(cfg, state, None, out, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging or set-aside directory left
+
+    (out / "stale.txt").write_text("someone's notes")  # no longer only what nanopt wrote: never replaced
+    with pytest.raises(ConfigError, match="not a nanopt export"):
+        export_hf(cfg, state, None, out, force=True)
+    assert (out / "stale.txt").read_text() == "someone's notes"

@@ -17,7 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nanopt.errors import NanoptError
+from nanopt.cli.rank_errors import hand_to_launcher
+from nanopt.errors import DistributedError, NanoptError
 from nanopt.runtime import ranks
 
 app = typer.Typer(
@@ -56,20 +57,46 @@ def main(argv: list[str] | None = None) -> None:
     and freeing it is what can hang a torchrun worker (see `_leave`).
     """
     try:
-        app(args=argv, prog_name="nanopt")
-    except SystemExit as exc:  # typer's own exits: --help, usage errors, typer.Exit
+        # Not standalone: Typer returns the exit code of --help and typer.Exit, and raises its usage errors here,
+        # where they become one line like every other mistake instead of a usage block and a panel.
+        code = app(args=argv, prog_name="nanopt", standalone_mode=False)
+    except SystemExit as exc:  # sys.exit in a command (the torchrun launcher)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except NanoptError as exc:
-        if ranks().is_main:  # under torchrun every rank raises; one line is enough
-            Console(stderr=True, highlight=False, soft_wrap=True).print(
-                f"[bold red]error:[/] {escape(exc.one_line())}", markup=True)
+        _report(exc)
         _leave(2)
+    except typer.TyperException as exc:  # a value Typer cannot parse, an unknown option, a missing argument
+        if type(exc).__name__ != "NoArgsIsHelpError":  # `nanopt` alone: the help is already printed
+            _report(_usage_error(exc))
+        _leave(exc.exit_code)
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")
         _leave(130)
-    _leave(0)
+    _leave(code if isinstance(code, int) else 0)
+
+
+def _report(exc: NanoptError) -> None:
+    """One line on stderr. Under nanopt's own launcher a rank hands its line to the launcher, which prints each
+    distinct error once with the rank that met it; under a plain torchrun every rank prints its own (an error
+    only rank 1 meets must not go unsaid), except that the ranks a failure cut off from rank 0 leave the report
+    of lost contact to rank 0."""
+    here = ranks()
+    if here.world_size > 1 and hand_to_launcher(here.rank, exc.one_line(), isinstance(exc, DistributedError)):
+        return
+    if here.rank and isinstance(exc, DistributedError):
+        return
+    prefix = f"rank {here.rank}: " if here.rank else ""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[bold red]error:[/] {escape(prefix + exc.one_line())}", markup=True)
+
+
+def _usage_error(exc: typer.TyperException) -> NanoptError:
+    """Typer's message on one line, with the command's --help as the hint."""
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else "nanopt"
+    return NanoptError(" ".join(exc.format_message().split()), f"see `{command} --help`")
 
 
 def _leave(code: int) -> None:

@@ -6,23 +6,27 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.hardware import ALIASES, DEFAULT_GPU, GPUS
 
 EPILOG = """
 Examples:
 
   nanopt estimate runs/gpt2-small
 
-  nanopt estimate runs/llama-1b --gpu h100-sxm --num-gpus 8 --mfu 0.45 --price-per-hour 2.50
+  nanopt estimate runs/llama-3.2-1b --gpu h100-sxm --num-gpus 8 --mfu 0.45 --price-per-hour 2.50
 
   nanopt estimate runs/smollm-360m --hours 24          # how many tokens fit in a day?
 
   nanopt estimate --params 7e9 --gpu a100-80gb --num-gpus 64
 
   nanopt estimate runs/gpt2-small --gpu-memory 40GiB --json
+
+  nanopt estimate runs/gpt2-small --gpu l40s --hours 12   # short names work too: --gpu h100, a100, 4090
 """
 
 
@@ -33,9 +37,9 @@ def estimate_command(
                                                                  "(e.g. 7e9); FLOPs use 6N."),
     tokens: float | None = typer.Option(None, "--tokens", help="With --params: token budget (default: "
                                                                  "Chinchilla-optimal)."),
-    gpu: str = typer.Option("h100-sxm", "--gpu", help="GPU from the table (see README): a100-40gb, a100-80gb, "
-                                                      "h100-sxm, h100-pcie, h200, b200, l4, a10, rtx-3090, "
-                                                      "rtx-4090."),
+    gpu: str = typer.Option(DEFAULT_GPU, "--gpu", help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
+                                                       f"({', '.join(ALIASES)}), with a note saying which card "
+                                                       "it means."),
     num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size)."),
     mfu: float = typer.Option(0.40, "--mfu", help="Model FLOPs utilization to assume (0-1)."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour (default: "
@@ -49,7 +53,7 @@ def estimate_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU."""
-    from nanopt.hardware import parse_size
+    from nanopt.hardware import parse_size, resolve_gpu
     from nanopt.plan.estimate import EstimateOptions, estimate
 
     run = load_run_config(run_dir, sets) if run_dir is not None else None
@@ -58,6 +62,9 @@ def estimate_command(
         gpu_memory=parse_size(gpu_memory) if gpu_memory else None, hours=hours, tokens_per_param=chinchilla_ratio,
         params=int(params) if params else None, tokens=int(tokens) if tokens else None)
     report = estimate(run, opts)
+    _, alias_note = resolve_gpu(gpu)
+    if alias_note:  # on stderr, so that --json stdout stays one JSON object
+        console(stderr=True).print(escape(f"note: {alias_note}"), soft_wrap=True)
     if as_json:
         print_json(report)
     else:

@@ -29,11 +29,13 @@ Examples:
 
   nanopt eval runs/demo --checkpoint best --prompt 'import os' --prompt 'Once upon a time' --seed 1
 
-  nanopt eval runs/gpt2-small --data data/fineweb-edu-v2 --tokens all --no-samples --json
+  nanopt tokenize HuggingFaceFW/fineweb --config sample-10BT --tokenizer gpt2 --max-tokens 10M --out data/fineweb-gpt2
 
-  nanopt eval runs/a runs/b runs/c --price-per-hour 2.99      # a table, best test loss first
+  nanopt eval runs/gpt2-small --data data/fineweb-gpt2 --tokens all --no-samples --json   # same tokenizer
 
-  nanopt eval runs/llama-1b --nproc-per-node 8                 # every rank evaluates a part
+  nanopt eval runs/gpt2-small runs/gpt2-medium runs/smollm-360m --price-per-hour 2.99   # best test loss first
+
+  nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
 """
 
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "

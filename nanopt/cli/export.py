@@ -10,6 +10,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.rundir import RunDir
 
 EPILOG = """
 The model is rebuilt from the checkpoint's own config snapshot; the tokenizer is the tokenizer.json of the run's
@@ -18,11 +19,13 @@ GPT2LMHeadModel, with fp32 weights.
 
 Examples:
 
+  nanopt train runs/demo                                    # the run: checkpoints at steps 800 and 1200
+
   nanopt export runs/demo                                   # writes runs/demo/export
 
-  nanopt export runs/gpt2-small --checkpoint best --out exports/gpt2-small --force
+  nanopt export runs/demo --checkpoint runs/demo/checkpoints/step-000800 --out /tmp/demo-800 --json
 
-  nanopt export runs/demo --checkpoint runs/demo/checkpoints/step-000600 --out /tmp/demo-600 --json
+  nanopt export runs/gpt2-small --checkpoint best --out exports/gpt2-small --force   # replaces an earlier export
 """
 
 
@@ -33,7 +36,7 @@ def export_command(
     checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
     data: Path | None = typer.Option(None, "--data", help="Take the tokenizer from this dataset instead of the "
                                                           "run's; it must be the same tokenizer."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out directory."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier export at --out (never anything else)."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Export a checkpoint to a transformers directory that AutoModelForCausalLM and AutoTokenizer load."""
@@ -43,7 +46,8 @@ def export_command(
 
     trained = open_trained(run_dir, checkpoint, data)
     written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.dataset.tokenizer_path,
-                        out if out is not None else run_dir / "export", eos_id=trained.dataset.eos_id, force=force)
+                        out if out is not None else RunDir(run_dir).export_dir, eos_id=trained.dataset.eos_id,
+                        force=force, run_dir=run_dir)
     files = {p.name: p.stat().st_size for p in sorted(written.iterdir()) if p.is_file()}
     if as_json:
         print_json({"out": str(written), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,

@@ -21,7 +21,7 @@ Examples:
 
   nanopt find-batch runs/gpt2-small --gpu-memory 40GiB        # what fits on a 40 GB card, asked on an 80 GB one
 
-  nanopt find-batch runs/llama-1b --nproc-per-node 8          # DDP / FSDP ranks agreeing on one size
+  nanopt find-batch runs/llama-3.2-1b --nproc-per-node 8      # DDP / FSDP ranks agreeing on one size
 
   nanopt find-batch runs/demo --max-memory 2GiB --max 64      # CPU: bound each trial's peak resident memory
 
@@ -136,7 +136,8 @@ def _trials_table(r: dict[str, Any]) -> Table:
         accum = str(t["grad_accum"]) if t["grad_accum"] is not None else "inexact"
         peak = ("> " if t["peak_is_lower_bound"] else "") + fmt.size(t["peak_memory_bytes"])
         table.add_row(str(t["micro_batch_size"]), f"[{style}]{escape(t['reason'])}[/]", peak,
-                      fmt.size(t["predicted_peak_bytes"]), _rate(t["tokens_per_s"]), fmt.percent(t["mfu"]),
+                      fmt.size(t["predicted_peak_bytes"]), _rate(t["tokens_per_s"]),
+                      fmt.percent(t["mfu"]) if t["mfu"] is not None else (t["mfu_note"] or "-"),
                       seconds(t["step_time_s"]), accum)
     table.caption = (f"accum: gradient accumulation for the configured global batch of "
                      f"{r['global_batch_tokens']:,} tokens. tokens/s and step: the fastest timed trial step "

@@ -22,7 +22,7 @@ Examples:
 
   nanopt profile runs/gpt2-small --steps 5 --record-shapes
 
-  nanopt profile runs/llama-1b --nproc-per-node 8            # every rank traced, rank 0 summarizes
+  nanopt profile runs/llama-3.2-1b --nproc-per-node 8        # every rank traced, rank 0 summarizes
 
   nanopt profile runs/gpt2-small --set compile=false --json
 
@@ -127,7 +127,8 @@ def _overview(s: dict[str, Any]) -> Table:
         ("data-loader wait", f"{seconds(s['data_wait_s'])} ({fmt.percent(s['data_wait_share'])})"),
         ("peak memory", f"{fmt.size(s['peak_memory_bytes'])} ({s['peak_memory_measure']})"),
         ("throughput (profiled)", f"{s['tokens_per_s']:,.0f} tokens/s"),
-        ("MFU (profiled)", fmt.percent(s["mfu"]) if s["mfu"] is not None else f"- ({s['peak_source']})"),
+        ("MFU (profiled)", fmt.percent(s["mfu"]) if s["mfu"] is not None
+         else (s["mfu_note"] or f"- ({s['peak_source']})")),
         ("torch.compile", _compile_text(s["compile"])),
         ("trace", s["trace"]),
     ]

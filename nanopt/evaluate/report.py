@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nanopt.config import save_json
+from nanopt.config import INT64_MAX, MAX_MODEL_DIMENSION, check_option, save_json
 from nanopt.data.loader import eval_batches
-from nanopt.errors import CheckpointError
+from nanopt.errors import CheckpointError, ConfigError
 from nanopt.evaluate.loss import evaluate_loss
 from nanopt.evaluate.samples import SampleSettings, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
@@ -40,6 +40,9 @@ from nanopt.train.resume import data_fingerprint
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU
+MAX_EVAL_MICRO_BATCH = 1 << 20
+MAX_NEW_TOKENS = 1 << 20
+MAX_TEMPERATURE = 1e6  # already uniform sampling long before this
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,26 @@ class EvalOptions:
     micro_batch_size: int | None = None  # default: the run's micro_batch_size
     samples: SampleSettings | None = field(default_factory=SampleSettings)  # None: no generation
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
+
+    def __post_init__(self) -> None:
+        self.validate()  # at construction: a bad option fails before any runtime starts or checkpoint is read
+
+    def validate(self) -> None:
+        # Upper bounds far past any real evaluation: a value beyond one is a typo (a micro-batch or a generation
+        # of 2**63 would allocate until killed), and NaN would reach the sampler as a crash.
+        hint = "see `nanopt eval --help`"
+        check_option("--tokens", self.tokens, 1, INT64_MAX, "a token count such as 1M, or all")
+        check_option("--micro-batch-size", self.micro_batch_size, 1, MAX_EVAL_MICRO_BATCH, hint)
+        if self.data is not None and Path(self.data).exists() and not Path(self.data).is_dir():
+            raise ConfigError(f"--data {self.data}: is a file, not a dataset directory",
+                              "give a directory made by `nanopt tokenize`")
+        if self.samples is not None:
+            s = self.samples
+            check_option("--max-new-tokens", s.max_new_tokens, 1, MAX_NEW_TOKENS, hint)
+            check_option("--temperature", s.temperature, 0, MAX_TEMPERATURE, "0 is greedy; e.g. 0.8")
+            check_option("--top-k", s.top_k, 1, MAX_MODEL_DIMENSION, "0 samples from all tokens; e.g. 50")
+            # Prompt i samples with seed + i, which must still fit in 64 bits.
+            check_option("--seed", s.seed, 0, INT64_MAX - len(s.prompts), "a whole number such as 0 or 1")
 
 
 class Progress:

@@ -11,10 +11,16 @@ tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM
 config.json carries both spellings that differ between transformers 4 and 5 (`torch_dtype` / `dtype`,
 `rope_theta` / `rope_parameters`), so either major version reads it. The directory is built beside `out_dir` and
 renamed into place, so a failed export leaves nothing half-written.
+
+`force` replaces an earlier export and nothing else: a directory is an export when it holds config.json and
+model.safetensors and no entry but the files listed in EXPORT_FILES. The run directory, anything that contains it
+or the current directory, a dataset, a link and any other non-empty directory are refused, and a replaced export
+is deleted file by file, so nothing nanopt did not write can be lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -25,27 +31,33 @@ import torch
 from torch import Tensor
 
 from nanopt.config import ModelConfig
+from nanopt.data.output import _is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
+from nanopt.rundir import RunDir
 
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+# Every file an export holds; an existing directory with anything else in it is not replaced.
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json")
 
 
 def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_json: Path | None, out_dir: Path,
-              eos_id: int | None = None, *, force: bool = False) -> Path:
+              eos_id: int | None = None, *, force: bool = False, run_dir: Path | None = None) -> Path:
     """Write a transformers directory for this model and return its path.
 
     state_dict uses nanopt's key names (see nanopt.model.transformer); with tied embeddings `lm_head.weight` may
     be present or not. eos_id defaults to the tokenizer's end-of-text token. An existing non-empty out_dir is
-    refused unless force=True, in which case it is replaced only once the new directory is complete.
+    refused unless it is an earlier export and force=True; it is then replaced once the new directory is
+    complete. run_dir (the run exported from) is never written into or replaced.
     """
     out_dir = Path(out_dir)
+    _check_destination(out_dir, force, run_dir)
     check_exportable(model_cfg)
     hf_state = to_hf_state_dict(model_cfg, state_dict)
     tokenizer_files: dict[str, Any] = {}
     if tokenizer_json is not None:
         tokenizer_files, eos_id = _tokenizer_files(Path(tokenizer_json), model_cfg, eos_id)
-    _check_destination(out_dir, force)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -272,16 +284,68 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _check_destination(out_dir: Path, force: bool) -> None:
+def _check_destination(out_dir: Path, force: bool, run_dir: Path | None) -> None:
+    """Raise ConfigError unless out_dir is new, empty, or (with force) an earlier export."""
+    _refuse_what_is_never_replaced(out_dir, run_dir)
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    if not _is_export(out_dir):
+        if not force:
+            raise ConfigError(f"{out_dir}: already exists and is not empty, and is not a nanopt export",
+                              "choose another --out; --force only replaces an earlier export")
+        raise ConfigError(f"{out_dir}: exists and is not a nanopt export ({_why_not_an_export(out_dir)}); "
+                          "--force only replaces an earlier export", "delete it yourself or choose another --out")
+    if not force:
+        raise ConfigError(f"{out_dir}: already exists and is not empty (an earlier export)",
+                          "pass --force to replace it, or choose another --out")
+
+
+def _refuse_what_is_never_replaced(out_dir: Path, run_dir: Path | None) -> None:
+    """Destinations refused with or without force, each with its own reason."""
+    hint = "choose another --out" + (f", e.g. {RunDir(run_dir).export_dir} (the default)" if run_dir else "")
+    if out_dir.is_symlink():
+        raise ConfigError(f"{out_dir}: is a symbolic link", "pass the directory it points to, or another --out")
     if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"{out_dir}: exists and is not a directory", "choose another output path")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ConfigError(f"{out_dir}: already exists and is not empty", "pass --force to replace it")
+        raise ConfigError(f"{out_dir}: exists and is not a directory", hint)
+    blocking = next((parent for parent in out_dir.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{out_dir}: {blocking} is not a directory", hint)
+    target = out_dir.resolve()
+    if run_dir is not None:
+        run = Path(run_dir).resolve()
+        if target == run:
+            raise ConfigError(f"{out_dir}: is the run directory", hint)
+        if target in run.parents:
+            raise ConfigError(f"{out_dir}: contains the run directory {run_dir}", hint)
+    cwd = Path.cwd().resolve()
+    if target == cwd:
+        raise ConfigError(f"{out_dir}: is the current directory", hint)
+    if target in cwd.parents:
+        raise ConfigError(f"{out_dir}: contains the current directory", hint)
+    if _is_dataset(out_dir):
+        raise ConfigError(f"{out_dir}: is a nanopt dataset", hint)
+
+
+def _is_export(path: Path) -> bool:
+    """Written by export_hf: config.json and model.safetensors, and no entry nanopt does not write."""
+    entries = list(path.iterdir())
+    names = {entry.name for entry in entries}
+    regular_files = all(entry.is_file() and not entry.is_symlink() for entry in entries)
+    return regular_files and names <= set(EXPORT_FILES) and {"config.json", "model.safetensors"} <= names
+
+
+def _why_not_an_export(path: Path) -> str:
+    foreign = sorted(e.name for e in path.iterdir()
+                     if e.name not in EXPORT_FILES or not e.is_file() or e.is_symlink())
+    if foreign:
+        return f"it holds {_few(foreign)}, which nanopt does not write"
+    return "config.json or model.safetensors is missing"
 
 
 def _move_into_place(staging: Path, out_dir: Path) -> None:
-    """Rename the finished staging directory to out_dir; a previous out_dir is set aside first and deleted only
-    after the rename succeeded, so at every moment one complete export exists."""
+    """Rename the finished staging directory to out_dir; a previous out_dir (empty, or an export: checked by
+    _check_destination) is set aside first and deleted only after the rename succeeded, so at every moment one
+    complete export exists."""
     if not out_dir.exists():
         staging.rename(out_dir)
         return
@@ -293,4 +357,13 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
     except BaseException:
         old.rename(out_dir)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _discard_export(old)
+
+
+def _discard_export(path: Path) -> None:
+    """Delete a replaced export file by file, never a whole tree: only the files nanopt writes are removed, so if
+    anything else appeared in it since the check, the set-aside directory stays (and nothing is lost)."""
+    for name in EXPORT_FILES:
+        (path / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: something of the user's is in it; keep it
+        path.rmdir()

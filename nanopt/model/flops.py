@@ -92,12 +92,25 @@ def tokens_in_seconds(seconds: float, flops_per_tok: float, num_gpus: int, peak_
     return int(seconds * num_gpus * peak_flops_per_gpu * mfu / flops_per_tok)
 
 
+# What to show instead of an MFU above 100%: no run beats the hardware's dense peak, so such a number means the
+# peak is wrong for this GPU (a card taken for another in nanopt.hardware's table), never a result.
+IMPLAUSIBLE_MFU = "implausible (peak table wrong for this GPU?)"
+
+
 def mfu(tokens_per_second: float, flops_per_tok: float, num_gpus: int,
         peak_flops_per_gpu: float | None) -> float | None:
-    """Model FLOPs utilization: achieved model FLOPs / (GPUs x dense peak of the dtype); None without a peak.
+    """Model FLOPs utilization: achieved model FLOPs / (GPUs x dense peak of the dtype), between 0 and 1.
 
-    The one place MFU is computed: train's log lines and summary, profile, find-batch, estimate and the benches.
+    None without a peak, and None for a value above 1.0, which is impossible: `mfu_note` tells the two apart, so
+    a caller shows IMPLAUSIBLE_MFU instead of a number. The one place MFU is computed: train's log lines and
+    summary, profile, find-batch, estimate and the benches.
     """
     if not peak_flops_per_gpu:
         return None
-    return tokens_per_second * flops_per_tok / (num_gpus * peak_flops_per_gpu)
+    utilization = tokens_per_second * flops_per_tok / (num_gpus * peak_flops_per_gpu)
+    return utilization if utilization <= 1.0 else None
+
+
+def mfu_note(mfu_value: float | None, peak_flops_per_gpu: float | None) -> str | None:
+    """IMPLAUSIBLE_MFU when `mfu` had a peak and still gave no value (it was above 100%); else None."""
+    return IMPLAUSIBLE_MFU if mfu_value is None and peak_flops_per_gpu else None

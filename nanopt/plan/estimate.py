@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt.config import RunConfig
+from nanopt.config import INT64_MAX, RunConfig, check_option
 from nanopt.errors import ConfigError
-from nanopt.hardware import DEFAULT_GPU, GPU, get_gpu
+from nanopt.hardware import DEFAULT_GPU, GPU, MAX_SIZE_BYTES, get_gpu
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
 
@@ -30,16 +30,18 @@ class EstimateOptions:
     tokens: int | None = None  # with params: the token budget (default: Chinchilla-optimal)
 
     def validate(self) -> None:
-        checks = [("--num-gpus", self.num_gpus, self.num_gpus >= 1), ("--mfu", self.mfu, 0 < self.mfu <= 1),
-                  ("--price-per-hour", self.price_per_hour, self.price_per_hour is None or self.price_per_hour >= 0),
-                  ("--peak-tflops", self.peak_tflops, self.peak_tflops is None or self.peak_tflops > 0),
-                  ("--hours", self.hours, self.hours is None or self.hours > 0),
-                  ("--chinchilla-ratio", self.tokens_per_param, self.tokens_per_param > 0),
-                  ("--params", self.params, self.params is None or self.params > 0),
-                  ("--tokens", self.tokens, self.tokens is None or self.tokens > 0)]
-        for option, value, ok in checks:
-            if not ok:
-                raise ConfigError(f"{option}: {value} is out of range", "see `nanopt estimate --help`")
+        # Upper bounds far past any real cluster, GPU, price or budget: a value beyond one is a typo, and NaN or
+        # infinity would reach the arithmetic as a ZeroDivisionError or OverflowError.
+        hint = "see `nanopt estimate --help`"
+        check_option("--num-gpus", self.num_gpus, 1, 10_000_000, hint)
+        check_option("--mfu", self.mfu, 0, 1, "a fraction such as 0.4", above_low=True)
+        check_option("--price-per-hour", self.price_per_hour, 0, 1_000_000, hint)
+        check_option("--peak-tflops", self.peak_tflops, 0, 1e9, hint, above_low=True)
+        check_option("--gpu-memory", self.gpu_memory, 0, MAX_SIZE_BYTES, hint, above_low=True)
+        check_option("--hours", self.hours, 0, 1_000_000, hint, above_low=True)
+        check_option("--chinchilla-ratio", self.tokens_per_param, 0, 1_000_000, hint, above_low=True)
+        check_option("--params", self.params, 1, 10**15, hint)
+        check_option("--tokens", self.tokens, 1, INT64_MAX, hint)
 
 
 def _gpu_figures(opts: EstimateOptions, precision: str) -> tuple[GPU, float, int, float]:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanopt.config import RunConfig, save_json
+from nanopt.config import RunConfig, check_option, save_json
 from nanopt.errors import ConfigError
-from nanopt.model.flops import mfu
+from nanopt.model.flops import mfu, mfu_note
 from nanopt.rundir import RunDir
 
 DATA_WAIT_LABEL = "nanopt.data_wait"
@@ -38,6 +38,7 @@ TRACE_FILE = "trace.json"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 US = 1e-6  # the profiler counts microseconds
+MAX_PROFILE_STEPS = 10_000
 
 CATEGORIES = ("matmul", "attention", "optimizer", "elementwise/norm/activation", "communication",
               "data loading/copies", "other")
@@ -54,10 +55,16 @@ class ProfileOptions:
     out_dir: Path | None = None  # default: runs/NAME/profile
 
     def validate(self) -> None:
-        if self.wait < 0 or self.warmup < 0 or self.active < 1 or self.top < 1:
-            raise ConfigError(f"profile schedule wait {self.wait}, warmup {self.warmup}, steps {self.active}, "
-                              f"top {self.top} is out of range", "need --wait >= 0, --warmup >= 0, --steps >= 1, "
-                                                                  "--top >= 1")
+        # At most MAX_PROFILE_STEPS steps in each phase: a profile of more is a typo (and a trace of 2**63 steps
+        # would never finish).
+        hint = f"need --wait >= 0, --warmup >= 0, --steps >= 1, --top >= 1, each at most {MAX_PROFILE_STEPS:,}"
+        check_option("--wait", self.wait, 0, MAX_PROFILE_STEPS, hint)
+        check_option("--warmup", self.warmup, 0, MAX_PROFILE_STEPS, hint)
+        check_option("--steps", self.active, 1, MAX_PROFILE_STEPS, hint)
+        check_option("--top", self.top, 1, MAX_PROFILE_STEPS, hint)
+        if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ConfigError(f"--out {self.out_dir}: is a file, not a directory",
+                              "give a directory for the traces (made if missing), or leave --out out")
 
 
 # --------------------------------------------------------------------------------------------- categories
@@ -331,7 +338,8 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         "peak_memory_bytes": session.memory.peak(),
         "peak_memory_measure": "peak reserved GPU memory plus the CUDA context" if on_cuda else "peak resident "
                                "memory of the process (Python, torch and the profiler incl.)",
-        "tokens_per_s": tokens_per_s, "mfu": utilization, "peak_flops": session.peak_flops,
+        "tokens_per_s": tokens_per_s, "mfu": utilization, "mfu_note": mfu_note(utilization, session.peak_flops),
+        "peak_flops": session.peak_flops,
         "peak_source": session.peak_source,
         "compile": compile_report(compiled),
     }

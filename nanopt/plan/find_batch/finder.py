@@ -10,7 +10,7 @@ from typing import Any
 from nanopt import errors
 from nanopt.config import RunConfig, TrainConfig, from_dict, read_json, save_json
 from nanopt.errors import ConfigError, NanoptError
-from nanopt.model.flops import flops_per_token, mfu
+from nanopt.model.flops import flops_per_token, mfu, mfu_note
 from nanopt.plan.find_batch.calibration import calibrate
 from nanopt.plan.find_batch.search import (
     FindBatchOptions,
@@ -124,6 +124,7 @@ def _trial(run: RunConfig, world: int, size: int, m: dict[str, Any], facts: dict
         else None
     return Trial(micro_batch_size=size, fits=fits, reason=reason, peak_memory_bytes=m.get("peak_memory_bytes"),
                  tokens_per_s=tokens_per_s, mfu=utilization, step_time_s=step_time,
+                 mfu_note=mfu_note(utilization, peak_flops) if tokens_per_s else None,
                  grad_accum=grad_accum_for(run.train, size, run.seq_len, world),
                  peak_is_lower_bound=bool(m.get("peak_is_lower_bound")))
 

@@ -10,11 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt.config import RunConfig, TrainConfig
-from nanopt.errors import ConfigError
+from nanopt.config import RunConfig, TrainConfig, check_option
+from nanopt.hardware import MAX_SIZE_BYTES
 
 DEFAULT_MAX = 1024
 MIN_STEPS = 3
+MAX_MICRO_BATCH = 1 << 20
+MAX_TRIAL_STEPS = 10_000
+MAX_TRIAL_TIMEOUT_S = 7 * 24 * 3600.0  # a week
 PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
 
 @dataclass(frozen=True)
@@ -28,15 +31,17 @@ class FindBatchOptions:
     trial_timeout_s: float = 1800.0
 
     def validate(self) -> None:
-        checks = [("--start", self.start, self.start >= 1), ("--max", self.maximum, self.maximum >= self.start),
-                  ("--steps", self.steps, self.steps >= MIN_STEPS), ("--margin", self.margin, 0 <= self.margin < 1),
-                  ("--gpu-memory", self.gpu_memory, self.gpu_memory is None or self.gpu_memory > 0),
-                  ("--max-memory", self.max_memory, self.max_memory is None or self.max_memory > 0),
-                  ("--timeout", self.trial_timeout_s, self.trial_timeout_s > 0)]
-        for option, value, ok in checks:
-            if not ok:
-                raise ConfigError(f"{option}: {value} is out of range",
-                                  f"need --start >= 1, --max >= --start, --steps >= {MIN_STEPS}, 0 <= --margin < 1")
+        # Upper bounds far past any real search: a value beyond one is a typo (and a trial asked for 2**63 steps
+        # or sequences would run or allocate until killed).
+        hint = f"need 1 <= --start <= --max, --steps >= {MIN_STEPS}, 0 <= --margin < 1"
+        check_option("--start", self.start, 1, MAX_MICRO_BATCH, hint)
+        check_option("--max", self.maximum, self.start, MAX_MICRO_BATCH, hint)
+        check_option("--steps", self.steps, MIN_STEPS, MAX_TRIAL_STEPS, hint)
+        check_option("--margin", self.margin, 0, 0.99, hint)
+        check_option("--gpu-memory", self.gpu_memory, 1, MAX_SIZE_BYTES, hint)
+        check_option("--max-memory", self.max_memory, 1, MAX_SIZE_BYTES, hint)
+        check_option("--timeout", self.trial_timeout_s, 0, MAX_TRIAL_TIMEOUT_S, "seconds, e.g. 1800",
+                     above_low=True)
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Trial:
     peak_memory_bytes: int | None
     tokens_per_s: float | None
     mfu: float | None
+    mfu_note: str | None  # why mfu is None although the GPU's peak is known (nanopt.model.flops.mfu_note)
     step_time_s: float | None
     grad_accum: int | None  # for the configured global batch; None where it does not divide exactly
     peak_is_lower_bound: bool = False  # the trial was stopped once over the bound: its true peak is higher
