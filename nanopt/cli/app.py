@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     except NanoptError as exc:
         _report(exc)
         _leave(2)
-    except typer.TyperException as exc:  # a value Typer cannot parse, an unknown option, a missing argument
+    except _usage_errors() as exc:  # a value Typer cannot parse, an unknown option, a missing argument
         if type(exc).__name__ != "NoArgsIsHelpError":  # `nanopt` alone: the help is already printed
             _report(_usage_error(exc))
         _leave(exc.exit_code)
@@ -92,7 +92,19 @@ def _report(exc: NanoptError) -> None:
         f"[bold red]error:[/] {escape(prefix + exc.one_line())}", markup=True)
 
 
-def _usage_error(exc: typer.TyperException) -> NanoptError:
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """Typer's own usage errors (typer >= 0.20 carries its own parser) and click's (older typer is built on it)."""
+    kinds: list[type[Exception]] = [typer.TyperException] if hasattr(typer, "TyperException") else []
+    try:
+        from click.exceptions import ClickException
+
+        kinds.append(ClickException)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def _usage_error(exc: Exception) -> NanoptError:
     """Typer's message on one line, with the command's --help as the hint."""
     ctx = getattr(exc, "ctx", None)
     command = ctx.command_path if ctx is not None else "nanopt"
