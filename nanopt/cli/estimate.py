@@ -59,8 +59,8 @@ def estimate_command(
     run = load_run_config(run_dir, sets) if run_dir is not None else None
     opts = EstimateOptions(
         gpu=gpu, num_gpus=num_gpus, mfu=mfu, price_per_hour=price_per_hour, peak_tflops=peak_tflops,
-        gpu_memory=parse_size(gpu_memory) if gpu_memory else None, hours=hours, tokens_per_param=chinchilla_ratio,
-        params=int(params) if params else None, tokens=int(tokens) if tokens else None)
+        gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
+        tokens_per_param=chinchilla_ratio, params=params, tokens=tokens)
     report = estimate(run, opts)
     _, alias_note = resolve_gpu(gpu)
     if alias_note:  # on stderr, so that --json stdout stays one JSON object

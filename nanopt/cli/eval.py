@@ -67,8 +67,10 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
-    launch_if_asked(nproc_per_node)
     from nanopt.evaluate import compare
+
+    compare.check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
+    launch_if_asked(nproc_per_node)
     from nanopt.evaluate.report import EvalOptions, evaluate_runs
     from nanopt.evaluate.samples import DEFAULT_PROMPTS, SampleSettings
 

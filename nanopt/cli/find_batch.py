@@ -69,8 +69,8 @@ def find_batch_command(
         raise ConfigError(f"--pick: unknown value '{pick}'", "use --pick best or --pick max")
     run = load_run_config(run_dir, sets)
     opts = FindBatchOptions(start=start, maximum=maximum, steps=steps, margin=margin, trial_timeout_s=timeout,
-                            gpu_memory=parse_size(gpu_memory) if gpu_memory else None,
-                            max_memory=parse_size(max_memory, "--max-memory") if max_memory else None)
+                            gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None,
+                            max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)
     main = ranks().is_main
     progress = _Progress(main)
     report = find_batch(run, opts, on_start=progress.start, on_trial=progress.done)

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from nanopt.cli.app import console
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, collected, lines_to_print
+from nanopt.config import check_option
 from nanopt.runtime import under_torchrun
 
 # Exit status of a run stopped by SIGTERM / SIGINT before its end, its state saved (EX_TEMPFAIL: try again). Not 0,
@@ -29,10 +30,27 @@ STOPPED_EARLY = 75
 LAUNCHER_OPTIONS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
 
 
+# Far past any real node (8 GPUs today) and cluster: a value past them is a typo, and would start that many processes.
+MAX_PROCS_PER_NODE = 1024
+MAX_NODES = 100_000
+
+
 def launch_if_asked(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None) -> None:
-    """Return at once in a single process or inside a torchrun worker; otherwise run torchrun and exit."""
+    """Return at once in a single process or inside a torchrun worker; otherwise run torchrun and exit.
+
+    The launcher options are checked first: a count below 1 would otherwise quietly run one process, and a node
+    rank outside the nodes would wait for a rendezvous that never completes."""
+    check_launcher_options(nproc_per_node, nnodes, node_rank)
     if nproc_per_node * nnodes > 1 and not under_torchrun():
         run_torchrun(nproc_per_node, nnodes, node_rank, endpoint)
+
+
+def check_launcher_options(nproc_per_node: int, nnodes: int, node_rank: int) -> None:
+    check_option("--nproc-per-node", nproc_per_node, 1, MAX_PROCS_PER_NODE, "processes on this node, usually its "
+                 "GPU count, e.g. --nproc-per-node 8")
+    check_option("--nnodes", nnodes, 1, MAX_NODES, "the number of machines in the run, e.g. --nnodes 2")
+    check_option("--node-rank", node_rank, 0, nnodes - 1, f"this machine's place among the {nnodes} node(s): 0 on "
+                 "the first, 1 on the second, ...")
 
 
 def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> NoReturn:

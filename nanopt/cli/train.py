@@ -10,7 +10,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-from nanopt.cli.launch import STOPPED_EARLY, launch_if_asked
+from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.train_display import Display
 from nanopt.runtime import ranks, under_torchrun
 
@@ -49,6 +49,7 @@ def train_command(
     as_json: bool = typer.Option(False, "--json", help="Print the end-of-run summary as JSON."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
+    check_launcher_options(nproc_per_node, nnodes, node_rank)
     run = load_run_config(run_dir, sets)
     if not under_torchrun():
         # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.

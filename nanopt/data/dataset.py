@@ -61,9 +61,18 @@ class TokenDataset:
         """Every cheap check, and every shard's sha256 when the shards total at most `verify_up_to_bytes` (see the
         module docstring for what each costs); DataError naming the first file that does not match meta.json."""
         path = Path(path)
-        if not path.is_dir():
-            raise DataError(f"{path}: dataset directory not found",
-                            f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)")
+        make_it = f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)"
+        try:
+            is_file, is_dir = path.is_file(), path.is_dir()
+        except OSError as exc:  # a name too long to look up, a loop of symbolic links: not a missing dataset
+            shown = str(path) if len(str(path)) <= 60 else f"{str(path)[:60]}... ({len(str(path)):,} characters)"
+            raise DataError(f"{shown}: not a usable path ({exc.strerror})",
+                            "give the dataset directory made by `nanopt tokenize`, e.g. data/stdlib") from None
+        if is_file:
+            raise DataError(f"{path}: is a file, not a directory (a dataset is a directory)",
+                            "give the dataset directory made by `nanopt tokenize` that holds meta.json")
+        if not is_dir:
+            raise DataError(f"{path}: dataset directory not found", make_it)
         meta = _read_meta(path)
         _check_meta(path, meta)
         tokenizer_sha256 = _check_tokenizer(path, meta)

@@ -28,12 +28,21 @@ from typing import Any
 
 import numpy as np
 
+from nanopt.config import INT64_MAX, MAX_MODEL_DIMENSION, check_option
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir, write_meta
 from nanopt.data.shards import SplitWriter, token_dtype
 from nanopt.data.sources import DECODE_ERROR_POLICIES, Source, check_text_file, open_source
 from nanopt.data.stats import SplitStats
-from nanopt.data.tokenizer import NamedTokenizer, load_tokenizer, piece_ends, save_tokenizer, train_bpe
+from nanopt.data.tokenizer import (
+    MIN_VOCAB_SIZE,
+    NamedTokenizer,
+    check_vocab_size,
+    load_tokenizer,
+    piece_ends,
+    save_tokenizer,
+    train_bpe,
+)
 from nanopt.errors import ConfigError, DataError
 
 SPLITS = ("train", "val", "test")
@@ -48,6 +57,10 @@ MAX_BATCH_BYTES = 1 << 20
 MAX_PIECE_CHARS = 1 << 18
 ENCODE_AHEAD = 2  # batches being encoded while the main thread reads and writes
 MAX_DECODE_WARNINGS = 20  # files warned about one by one; meta.json has them all
+# Upper bounds of the tokenize options: far past what any corpus needs (batches are capped at MAX_BATCH_BYTES of
+# text anyway, and a BPE trained on a TiB of text would need many TiB of memory). A value past one is a typo.
+MAX_BATCH_DOCUMENTS = 1 << 20
+MAX_SAMPLE_MIB = 1 << 20
 
 
 @dataclass
@@ -80,10 +93,17 @@ class TokenizeSettings:
                 raise ConfigError(f"--{name.replace('_', '-')} {value} is outside [0, 1)", "e.g. 0.005")
         if (self.val_fraction or 0.0) + (self.test_fraction or 0.0) >= 1.0:
             raise ConfigError("--val-fraction plus --test-fraction leave nothing for training", "e.g. 0.005 each")
-        for name in ("shard_tokens", "batch_size", "tokenizer_sample_bytes", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}", "use a number > 0")
+        check_option("--shard-tokens", self.shard_tokens, 1, INT64_MAX, "e.g. 100M tokens per shard file")
+        check_option("--max-tokens", self.max_tokens, 1, INT64_MAX, "e.g. 2.5B, or leave it out for the whole corpus")
+        check_option("--batch-size", self.batch_size, 1, MAX_BATCH_DOCUMENTS, "e.g. 256 documents per encode call")
+        # Given in MiB on the command line; rounded up here, so a library caller's few bytes still count as given.
+        check_option("--tokenizer-sample-mb", -(-self.tokenizer_sample_bytes // (1 << 20)), 1, MAX_SAMPLE_MIB,
+                     "e.g. 64 (MiB of training documents)")
+        if self.vocab_size is not None:
+            check_vocab_size(self.vocab_size)  # the trainer's own range, with its message
+            # and no larger than any model nanopt builds can use (now, not after reading the corpus)
+            check_option("--vocab-size", self.vocab_size, MIN_VOCAB_SIZE, MAX_MODEL_DIMENSION,
+                         "e.g. 4096 for a CPU demo, 32768-65536 for a real corpus")
         if self.tokenizer is not None and self.vocab_size is not None:
             raise ConfigError("--vocab-size applies to a trained tokenizer, not to --tokenizer",
                               "give one of --tokenizer NAME and --vocab-size N")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanopt.config import check_option
 from nanopt.errors import ConfigError, DataError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -46,11 +47,14 @@ class NamedTokenizer:
                 "eos_token": self.eos_token, "eos_id": self.eos_id, **self.extra}
 
 
+# Far past the cores of any machine: a thread count past it is a typo (an environment variable of 5,000 digits).
+MAX_THREADS = 4096
+
+
 def set_threads(threads: int | None) -> None:
     """Cap the tokenizers library's worker threads. It reads this once, at its first parallel call in a process."""
     if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads: must be at least 1, got {threads}", "leave it out to use every core")
+        check_option("--threads", threads, 1, MAX_THREADS, "leave it out to use every core")
         os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 

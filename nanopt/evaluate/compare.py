@@ -9,6 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nanopt.config import check_option
+from nanopt.plan.estimate import MAX_PRICE_PER_HOUR
+
+
+def check_price_per_hour(price_per_hour: float | None) -> None:
+    """ConfigError unless the price (None: not given) is a finite number of USD from 0 to estimate's bound."""
+    check_option("--price-per-hour", price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+
 
 def ranked(results: list[dict[str, Any]], price_per_hour: float | None = None) -> list[dict[str, Any]]:
     """Results sorted by test loss (a non-finite loss last), each with device-hours and, given a price, cost."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from nanopt.config import INT64_MAX, MAX_MODEL_DIMENSION, check_option, save_json
 from nanopt.data.loader import eval_batches
-from nanopt.errors import CheckpointError, ConfigError
+from nanopt.errors import CheckpointError
 from nanopt.evaluate.loss import evaluate_loss
 from nanopt.evaluate.samples import SampleSettings, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
@@ -63,9 +63,6 @@ class EvalOptions:
         hint = "see `nanopt eval --help`"
         check_option("--tokens", self.tokens, 1, INT64_MAX, "a token count such as 1M, or all")
         check_option("--micro-batch-size", self.micro_batch_size, 1, MAX_EVAL_MICRO_BATCH, hint)
-        if self.data is not None and Path(self.data).exists() and not Path(self.data).is_dir():
-            raise ConfigError(f"--data {self.data}: is a file, not a dataset directory",
-                              "give a directory made by `nanopt tokenize`")
         if self.samples is not None:
             s = self.samples
             check_option("--max-new-tokens", s.max_new_tokens, 1, MAX_NEW_TOKENS, hint)

@@ -34,8 +34,7 @@ class TrainedModel:
 def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None) -> TrainedModel:
     """Resolve and verify a checkpoint; open its training dataset, or `data` if it has the same tokenizer."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: run directory not found", "pass a run directory that `nanopt train` wrote")
+    check_run_directory(run_dir)
     ckpt = resolve(run_dir, which)
     run = run_config_from_snapshot(run_dir, ckpt)
     dataset = TokenDataset.open(data if data is not None else run.train.data)
@@ -43,6 +42,22 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None)
     tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
     return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_check=tokenizer_check)
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """ConfigError unless `run_dir` is an existing directory: one line for a path that is a file, a path that is
+    missing and a path the operating system cannot even look up (a name too long, a loop of symbolic links)."""
+    hint = "pass a run directory that `nanopt train` wrote"
+    try:
+        is_file, is_dir = run_dir.is_file(), run_dir.is_dir()
+    except OSError as exc:
+        text = str(run_dir)
+        shown = text if len(text) <= 60 else f"{text[:60]}... ({len(text):,} characters)"
+        raise ConfigError(f"{shown}: not a usable path ({exc.strerror})", hint) from None
+    if is_file:
+        raise ConfigError(f"{run_dir}: is a file, not a directory (a run is a directory)", hint)
+    if not is_dir:
+        raise ConfigError(f"{run_dir}: run directory not found", hint)
 
 
 def run_config_from_snapshot(run_dir: Path, ckpt: Checkpoint) -> RunConfig:

@@ -6,7 +6,7 @@ Combines a run's configs (or a bare parameter count) with the formulas of `flops
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nanopt.config import INT64_MAX, RunConfig, check_option
@@ -14,6 +14,10 @@ from nanopt.errors import ConfigError
 from nanopt.hardware import DEFAULT_GPU, GPU, MAX_SIZE_BYTES, get_gpu
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
+
+# USD per GPU-hour: a thousand times today's dearest card. A price past it is a typo, and would make every cost a
+# number nobody could pay (or an infinity). Also the bound of `nanopt eval --price-per-hour`.
+MAX_PRICE_PER_HOUR = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,9 @@ class EstimateOptions:
     gpu_memory: int | None = None  # bytes; overrides the table's memory
     hours: float | None = None  # the inverse question: tokens that fit in this many hours
     tokens_per_param: float = flops.CHINCHILLA_TOKENS_PER_PARAM
-    params: int | None = None  # estimate from a bare parameter count, without a run directory
-    tokens: int | None = None  # with params: the token budget (default: Chinchilla-optimal)
+    # Counts as typed (7e9 is a float): whole numbers only once validated, as int() of NaN or infinity would raise.
+    params: float | None = None  # estimate from a bare parameter count, without a run directory
+    tokens: float | None = None  # with params: the token budget (default: Chinchilla-optimal)
 
     def validate(self) -> None:
         # Upper bounds far past any real cluster, GPU, price or budget: a value beyond one is a typo, and NaN or
@@ -35,13 +40,22 @@ class EstimateOptions:
         hint = "see `nanopt estimate --help`"
         check_option("--num-gpus", self.num_gpus, 1, 10_000_000, hint)
         check_option("--mfu", self.mfu, 0, 1, "a fraction such as 0.4", above_low=True)
-        check_option("--price-per-hour", self.price_per_hour, 0, 1_000_000, hint)
+        check_option("--price-per-hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR, hint)
         check_option("--peak-tflops", self.peak_tflops, 0, 1e9, hint, above_low=True)
         check_option("--gpu-memory", self.gpu_memory, 0, MAX_SIZE_BYTES, hint, above_low=True)
         check_option("--hours", self.hours, 0, 1_000_000, hint, above_low=True)
         check_option("--chinchilla-ratio", self.tokens_per_param, 0, 1_000_000, hint, above_low=True)
         check_option("--params", self.params, 1, 10**15, hint)
         check_option("--tokens", self.tokens, 1, INT64_MAX, hint)
+
+    def with_whole_counts(self) -> EstimateOptions:
+        """These options validated, with --params and --tokens as the whole numbers the arithmetic counts in."""
+        self.validate()
+        return replace(self, params=_whole(self.params), tokens=_whole(self.tokens))
+
+
+def _whole(count: float | None) -> int | None:
+    return None if count is None else int(count)
 
 
 def _gpu_figures(opts: EstimateOptions, precision: str) -> tuple[GPU, float, int, float]:
@@ -59,7 +73,7 @@ def _run_precision(run: RunConfig | None) -> str:
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     """The whole report as a JSON-ready dict (the keys are documented in README.md)."""
-    opts.validate()
+    opts = opts.with_whole_counts()
     if run is None and opts.params is None:
         raise ConfigError("estimate needs a run directory or --params", "e.g. `nanopt estimate runs/gpt2-small`")
     precision = _run_precision(run)
