@@ -40,7 +40,7 @@ def stdlib_documents() -> list[str]:
 
 def train_tokenizer(docs: list[str], path: Path) -> Any:
     """The BPE `nanopt tokenize` trains for the built-in corpus by default (same vocabulary size)."""
-    from nanopt.data.pipeline import BUILTIN_VOCAB_SIZE
+    from nanopt.data.settings import BUILTIN_VOCAB_SIZE
     from nanopt.data.tokenizer import save_tokenizer, train_bpe
 
     named = train_bpe(docs, BUILTIN_VOCAB_SIZE)

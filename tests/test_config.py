@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from clihelp import REPO, assert_user_error, run_cli
 
-from nanopt.config import load_run, parse_overrides
+from nanopt.config import load_run
 from nanopt.errors import ConfigError
+from nanopt.parsing import parse_overrides
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ import typer.main
 from clihelp import REPO
 
 from nanopt.cli import app
-from nanopt.config import load_run, parse_overrides
+from nanopt.config import load_run
+from nanopt.parsing import parse_overrides
 from nanopt.rundir import RunDir, step_dir_name
 
 CHECKPOINT_WORDS = {"latest", "best", "auto", "none"}  # --checkpoint / --resume values that name no directory

@@ -301,7 +301,7 @@ def long_document(chars: int, seed: int = 9) -> str:
 
 
 def test_a_long_document_is_encoded_in_pieces_with_one_eos_and_the_same_ids(bpe, tmp_path: Path):
-    from nanopt.data.pipeline import MAX_PIECE_CHARS
+    from nanopt.data.documents import MAX_PIECE_CHARS
 
     long = long_document(3 * MAX_PIECE_CHARS + 12_345)
     texts = english_like_documents(5, seed=10) + [long] + english_like_documents(3, seed=11)

@@ -45,7 +45,8 @@ def print_json(data: Any) -> None:
 
 
 def load_run_config(run_dir: Path, sets: list[str] | None):
-    from nanopt.config import load_run, parse_overrides
+    from nanopt.config import load_run
+    from nanopt.parsing import parse_overrides
 
     return load_run(run_dir, parse_overrides(sets or []))
 

@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from nanopt.cli.app import console
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, collected, lines_to_print
-from nanopt.config import check_option
+from nanopt.parsing import check_option
 from nanopt.runtime import under_torchrun
 
 # Exit status of a run stopped by SIGTERM / SIGINT before its end, its state saved (EX_TEMPFAIL: try again). Not 0,

@@ -7,8 +7,9 @@ import re
 from decimal import Decimal, DecimalException
 from pathlib import Path
 
-from nanopt.config import INT64_MAX, RunConfig, load_run
+from nanopt.config import RunConfig, load_run
 from nanopt.errors import ConfigError
+from nanopt.parsing import INT64_MAX
 
 SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _NUMBER = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)

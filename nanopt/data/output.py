@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import nanopt
-from nanopt.config import save_json
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, dtype_name, sha256_file, token_dtype
 from nanopt.data.tokenizer import NamedTokenizer
 from nanopt.errors import DataError
+from nanopt.parsing import save_json
 
 STAGING_MARK = ".partial-"
 

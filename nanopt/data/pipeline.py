@@ -1,6 +1,6 @@
 """The tokenize pipeline: a corpus source in, a dataset directory out (see nanopt.data.dataset for the format).
 
-Local files are checked first (nanopt.data.sources.check_text_file): a file that is not text is refused, bytes that
+Local files are checked first (nanopt.data.textcheck.check_text_file): a file that is not text is refused, bytes that
 are not UTF-8 are counted per file, warned about and recorded in meta.json, or refused with --on-decode-error
 refuse, before anything is written.
 
@@ -17,116 +17,38 @@ meta.json written last, so an interrupted run never leaves a directory that look
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from nanopt.config import INT64_MAX, MAX_MODEL_DIMENSION, check_option
+from nanopt.data.documents import clean, document_pieces, is_empty
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir, write_meta
+from nanopt.data.settings import TokenizeSettings
 from nanopt.data.shards import SplitWriter, token_dtype
-from nanopt.data.sources import DECODE_ERROR_POLICIES, Source, check_text_file, open_source
+from nanopt.data.sources import Source, open_source
 from nanopt.data.stats import SplitStats
+from nanopt.data.textcheck import check_text_file
 from nanopt.data.tokenizer import (
-    MIN_VOCAB_SIZE,
     NamedTokenizer,
-    check_vocab_size,
     load_tokenizer,
-    piece_ends,
     save_tokenizer,
     train_bpe,
 )
-from nanopt.errors import ConfigError, DataError
+from nanopt.errors import DataError
 
 SPLITS = ("train", "val", "test")
-BUILTIN_VOCAB_SIZE = 1024  # see TokenizeSettings.vocab_size
-BUILTIN_HELD_OUT_FRACTION = 0.05  # ~2x the demo eval (65536 tokens) in val and test
-HELD_OUT_FRACTION = 0.005
 # Batches are also capped by bytes: the tokenizer's work space is ~100 bytes per byte of text, so this bounds memory
 # whatever the document sizes (8 MiB batches peaked at ~600 MiB on the built-in corpus, 1 MiB at ~230 MiB).
 MAX_BATCH_BYTES = 1 << 20
-# A longer document is encoded in pieces of at most this many characters (at most 1 MiB of UTF-8): unsplit, a
-# 200 MB line needed ~27 GB of tokenizer work space.
-MAX_PIECE_CHARS = 1 << 18
 ENCODE_AHEAD = 2  # batches being encoded while the main thread reads and writes
 MAX_DECODE_WARNINGS = 20  # files warned about one by one; meta.json has them all
-# Upper bounds of the tokenize options: far past what any corpus needs (batches are capped at MAX_BATCH_BYTES of
-# text anyway, and a BPE trained on a TiB of text would need many TiB of memory). A value past one is a typo.
-MAX_BATCH_DOCUMENTS = 1 << 20
-MAX_SAMPLE_MIB = 1 << 20
-
-
-@dataclass
-class TokenizeSettings:
-    """How a corpus becomes a dataset. Recorded in meta.json; the same source and settings give the same shards."""
-
-    config: str | None = None  # hub dataset configuration, e.g. "sample-10BT"
-    split: str = "train"  # hub dataset split to read
-    text_column: str = "text"
-    sample_by: str = "document"  # text files: one document per file, paragraph or line
-    tokenizer: str | None = None  # a Hugging Face name or local tokenizer.json; None trains a byte-level BPE
-    # Trained BPE size. The built-in corpus defaults to 1024 for the CPU demo (hidden 128): a larger vocabulary puts
-    # the demo's compute into the output head (at 4096 it was a third of the step) and leaves rare tokens
-    # untrained; 1024 still gives ~2.6 bytes per token on Python source.
-    vocab_size: int | None = None
-    eos_token: str | None = None  # for loaded tokenizers whose end-of-text token cannot be detected
-    tokenizer_sample_bytes: int = 64 << 20  # train the BPE on the first this-many bytes of training documents
-    val_fraction: float | None = None  # None: 0.005 (0.05 for the small built-in corpus)
-    test_fraction: float | None = None
-    shard_tokens: int = 100_000_000
-    max_tokens: int | None = None  # stop once the train split has this many tokens
-    batch_size: int = 256  # documents (or pieces of long ones) per encode call
-    on_decode_error: str = "replace"  # bytes that are not UTF-8 in local files: "replace" (U+FFFD) or "refuse"
-    force: bool = False
-
-    def validate(self) -> None:
-        for name in ("val_fraction", "test_fraction"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value < 1.0:
-                raise ConfigError(f"--{name.replace('_', '-')} {value} is outside [0, 1)", "e.g. 0.005")
-        if (self.val_fraction or 0.0) + (self.test_fraction or 0.0) >= 1.0:
-            raise ConfigError("--val-fraction plus --test-fraction leave nothing for training", "e.g. 0.005 each")
-        check_option("--shard-tokens", self.shard_tokens, 1, INT64_MAX, "e.g. 100M tokens per shard file")
-        check_option("--max-tokens", self.max_tokens, 1, INT64_MAX, "e.g. 2.5B, or leave it out for the whole corpus")
-        check_option("--batch-size", self.batch_size, 1, MAX_BATCH_DOCUMENTS, "e.g. 256 documents per encode call")
-        # Given in MiB on the command line; rounded up here, so a library caller's few bytes still count as given.
-        check_option("--tokenizer-sample-mb", -(-self.tokenizer_sample_bytes // (1 << 20)), 1, MAX_SAMPLE_MIB,
-                     "e.g. 64 (MiB of training documents)")
-        if self.vocab_size is not None:
-            check_vocab_size(self.vocab_size)  # the trainer's own range, with its message
-            # and no larger than any model nanopt builds can use (now, not after reading the corpus)
-            check_option("--vocab-size", self.vocab_size, MIN_VOCAB_SIZE, MAX_MODEL_DIMENSION,
-                         "e.g. 4096 for a CPU demo, 32768-65536 for a real corpus")
-        if self.tokenizer is not None and self.vocab_size is not None:
-            raise ConfigError("--vocab-size applies to a trained tokenizer, not to --tokenizer",
-                              "give one of --tokenizer NAME and --vocab-size N")
-        if self.on_decode_error not in DECODE_ERROR_POLICIES:
-            raise ConfigError(f"--on-decode-error {self.on_decode_error!r} is not one of "
-                              f"{', '.join(DECODE_ERROR_POLICIES)}",
-                              "replace: such bytes become U+FFFD, counted in meta.json; refuse: stop at the first")
-        if self.eos_token is not None and self.tokenizer is None:
-            raise ConfigError("--eos-token applies to a loaded --tokenizer only",
-                              "a trained tokenizer always ends documents with <|endoftext|>")
-
-    def resolved(self, source: Source) -> TokenizeSettings:
-        """These settings with the defaults that depend on the source filled in (as recorded in meta.json)."""
-        held_out = BUILTIN_HELD_OUT_FRACTION if source.kind == "builtin" else HELD_OUT_FRACTION
-        vocab = self.vocab_size
-        if self.tokenizer is None and vocab is None:
-            if source.kind != "builtin":
-                raise ConfigError("no tokenizer given", "pass --tokenizer NAME_OR_PATH (e.g. gpt2) or --vocab-size "
-                                  "N to train a byte-level BPE on this corpus (e.g. 32768)")
-            vocab = BUILTIN_VOCAB_SIZE
-        return replace(self, vocab_size=vocab,
-                       val_fraction=held_out if self.val_fraction is None else self.val_fraction,
-                       test_fraction=held_out if self.test_fraction is None else self.test_fraction)
 
 
 class ProgressReporter:
@@ -224,7 +146,7 @@ def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressRep
     known = src.size_hint().bytes
     expected = min(opts.tokenizer_sample_bytes, known) if known else opts.tokenizer_sample_bytes
     for raw in src.texts():
-        if _is_empty(raw):
+        if is_empty(raw):
             continue
         split, pieces = document_pieces(raw, val, test)
         if split != "train":
@@ -236,53 +158,6 @@ def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressRep
             reporter.update(documents, 0, min(1.0, taken / expected))
             if taken >= opts.tokenizer_sample_bytes:
                 return
-
-
-def split_of(data: bytes, val_fraction: float, test_fraction: float) -> str:
-    """The split of a document: its BLAKE2b hash as a number in [0, 1) against the fractions.
-
-    Depends on the text alone, so it is deterministic, independent of order and batch size, and identical copies
-    of a document always land in the same split (no duplicate leaks from train into val).
-    """
-    return _split_of_hash(hashlib.blake2b(data, digest_size=8), val_fraction, test_fraction)
-
-
-def _split_of_hash(digest: Any, val_fraction: float, test_fraction: float) -> str:
-    position = int.from_bytes(digest.digest(), "little") / 2.0**64
-    if position < val_fraction:
-        return "val"
-    return "test" if position < val_fraction + test_fraction else "train"
-
-
-def document_pieces(raw: str, val_fraction: float, test_fraction: float) -> tuple[str, list[tuple[str, int]]]:
-    """A document's split and the (text, UTF-8 byte count) pieces it is encoded in: one piece unless it is longer
-    than MAX_PIECE_CHARS. The split hashes all of the document's bytes piece by piece, as split_of hashes them at
-    once; cleaning is per character, so the pieces clean as the whole document does."""
-    ends = piece_ends(raw, MAX_PIECE_CHARS)
-    if len(ends) == 1:
-        text, data = _clean(raw)
-        return split_of(data, val_fraction, test_fraction), [(text, len(data))]
-    digest = hashlib.blake2b(digest_size=8)
-    pieces = []
-    for start, end in zip([0, *ends[:-1]], ends, strict=True):
-        text, data = _clean(raw[start:end])
-        digest.update(data)
-        pieces.append((text, len(data)))
-    return _split_of_hash(digest, val_fraction, test_fraction), pieces
-
-
-def _is_empty(text: str) -> bool:
-    return not text or text.isspace()
-
-
-def _clean(text: str) -> tuple[str, bytes]:
-    """The text and its UTF-8 bytes. A Python string can hold lone surrogates (e.g. decoded with "surrogateescape"),
-    which can be neither encoded nor tokenized; they become U+FFFD, as undecodable bytes in files do."""
-    try:
-        return text, text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
-        return text, text.encode("utf-8")
 
 
 @dataclass
@@ -332,7 +207,7 @@ class _Run:
         batch, batch_bytes = _Batch(), 0
         for raw in self.src.texts():
             self.read_documents += 1
-            if _is_empty(raw):
+            if is_empty(raw):
                 self.skipped_empty += 1
                 continue
             split, pieces = document_pieces(raw, val, test)
@@ -384,7 +259,7 @@ class _Run:
                 if keep < len(ids[i]):
                     ids[i] = ids[i][:keep]
                     text = self.named.tokenizer.decode(ids[i], skip_special_tokens=False)
-                    batch.nbytes[i] = len(_clean(text)[1])
+                    batch.nbytes[i] = len(clean(text)[1])
                 return i, False
         return None
 

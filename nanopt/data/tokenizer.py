@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanopt.config import check_option
 from nanopt.errors import ConfigError, DataError
+from nanopt.parsing import check_option
 
 ENDOFTEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge

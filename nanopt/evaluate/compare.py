@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nanopt.config import check_option
+from nanopt.parsing import check_option
 from nanopt.plan.estimate import MAX_PRICE_PER_HOUR
 
 

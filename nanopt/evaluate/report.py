@@ -25,13 +25,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nanopt.config import INT64_MAX, MAX_MODEL_DIMENSION, check_option, save_json
+from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import eval_batches
 from nanopt.errors import CheckpointError
 from nanopt.evaluate.loss import evaluate_loss
 from nanopt.evaluate.samples import SampleSettings, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
 from nanopt.model.flops import count_params
+from nanopt.parsing import INT64_MAX, check_option, save_json
 from nanopt.rundir import EVAL_FILE, RunDir
 from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown
 from nanopt.train.checkpoint import Checkpoint

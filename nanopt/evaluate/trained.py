@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from nanopt.config import RunConfig, TrainConfig, from_dict, model_config_from_snapshot
+from nanopt.config import RunConfig, TrainConfig, model_config_from_snapshot
 from nanopt.data.dataset import TokenDataset, check_compatible
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
+from nanopt.parsing import from_dict
 from nanopt.train.checkpoint import Checkpoint, load_model_state, resolve
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nanopt.config import INT64_MAX, RunConfig, check_option
+from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
 from nanopt.hardware import DEFAULT_GPU, GPU, MAX_SIZE_BYTES, get_gpu
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
+from nanopt.parsing import INT64_MAX, check_option
 
 # USD per GPU-hour: a thousand times today's dearest card. A price past it is a typo, and would make every cost a
 # number nobody could pay (or an infinity). Also the bound of `nanopt eval --price-per-hour`.

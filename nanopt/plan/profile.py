@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanopt.config import RunConfig, check_option, save_json
+from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
 from nanopt.model.flops import mfu, mfu_note
+from nanopt.parsing import check_option, save_json
 from nanopt.rundir import RunDir
 
 DATA_WAIT_LABEL = "nanopt.data_wait"

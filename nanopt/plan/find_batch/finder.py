@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from nanopt import errors
-from nanopt.config import RunConfig, TrainConfig, from_dict, read_json, save_json
+from nanopt.config import RunConfig, TrainConfig
 from nanopt.errors import ConfigError, NanoptError
 from nanopt.model.flops import flops_per_token, mfu, mfu_note
+from nanopt.parsing import from_dict, read_json, save_json
 from nanopt.plan.find_batch.calibration import calibrate
 from nanopt.plan.find_batch.search import (
     FindBatchOptions,

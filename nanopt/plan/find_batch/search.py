@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt.config import RunConfig, TrainConfig, check_option
+from nanopt.config import RunConfig, TrainConfig
 from nanopt.hardware import MAX_SIZE_BYTES
+from nanopt.parsing import check_option
 
 DEFAULT_MAX = 1024
 MIN_STEPS = 3

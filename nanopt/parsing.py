@@ -1,0 +1,185 @@
+"""Typed values from JSON files and the command line, each mistake one line naming the file, the key or the option.
+
+The config dataclasses (nanopt.config) and the option classes of every command build on these: `from_dict` checks
+keys and types strictly, `read_json` / `parse_json_text` turn every way JSON can be refused into one ConfigError,
+`check_option` is the one range check of a numeric option, `save_json` writes atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from nanopt.errors import ConfigError
+
+INT64_MAX = 2**63 - 1
+
+
+def show_value(value: Any, limit: int = 40) -> str:
+    """A value as it goes into a one-line message: its repr, shortened if long (a 100,000-character string)."""
+    if isinstance(value, int) and abs(value).bit_length() > 128:  # repr refuses past 4,300 digits
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1:,} digits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def from_dict(cls: type, data: Any, source: str) -> Any:
+    """Build a config dataclass from parsed JSON, checking keys and types strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}",
+                          "the file should look like {\"key\": value, ...}")
+    known = {f.name: f for f in fields(cls)}
+    data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_note"-style keys are comments
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{source}: unknown key '{key}'", hint)
+    hints = typing.get_type_hints(cls)
+    missing = [f.name for f in fields(cls) if f.name not in data and _is_required(f)]
+    if missing:
+        raise ConfigError(f"{source}: missing required key '{missing[0]}'",
+                          f"add it; required keys: {', '.join(missing)}")
+    values = {key: _coerce(value, hints[key], f"{source}: key '{key}'") for key, value in data.items()}
+    return cls(**values)
+
+
+def _is_required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Return value if it matches annotation (ints may stand for floats; integral floats like 2.5e9 for ints)."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in get_args(annotation):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(exc)
+        hint = next((e.hint for e in errors if e.hint), "")  # null's own error has none
+        raise ConfigError(f"{where}: {show_value(value)} is not {_describe(annotation)}", hint)
+    if origin is Literal:
+        if value in get_args(annotation) and type(value) in {type(a) for a in get_args(annotation)}:
+            return value
+        raise ConfigError(f"{where}: {show_value(value)} is not one of {_describe(annotation)}",
+                          f"use one of {_describe(annotation)}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null", "")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {show_value(value)}", "JSON booleans are true / false")
+    if annotation is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT64_MAX:
+                raise ConfigError(f"{where}: {show_value(value)} is out of range (more than 2**63 - 1)",
+                                  "check for a typo: every integer here fits in 64 bits")
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {show_value(value)}", "write a whole number such as 1024")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
+            return float(value)
+        raise ConfigError(f"{where}: expected a finite number, got {show_value(value)}", "write a number such as 6e-4")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {show_value(value)}", "put the value in double quotes")
+    raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (hundreds of digits)
+        return False
+
+
+def _describe(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " / ".join(json.dumps(a) for a in get_args(annotation))
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(annotation))
+    return {int: "an integer", float: "a number", bool: "true / false", str: "a string",
+            type(None): "null"}.get(annotation, str(annotation))
+
+
+def read_json(path: Path) -> Any:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a JSON file", "copy the file from runs/demo or a preset in "
+                                                                       "runs/")
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found", "copy one from runs/demo or a preset in runs/")
+    try:
+        return parse_json_text(path.read_text(encoding="utf-8"), str(path))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text", "save the file as UTF-8 JSON") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})", "check the file's permissions") from None
+
+
+def parse_json_text(text: str, where: str) -> Any:
+    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one ConfigError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                          "check for a trailing comma, a missing quote or a cut-off end") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{where}: malformed JSON: {str(exc).split(';')[0]}",
+                          "check for a typo in a number") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: malformed JSON: nested too deeply to read", "check for runaway brackets") from None
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs: VALUE is read as JSON (numbers, true, null, "str"), else taken as a string."""
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE", "e.g. --set learning_rate=3e-4")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:  # not JSON: the text itself, as a string
+            overrides[key.strip()] = raw
+        except (ValueError, RecursionError):  # JSON json.loads gives up on (5,000 digits, runaway brackets)
+            overrides[key.strip()] = parse_json_text(raw, f"--set {key.strip()}")  # raises a ConfigError
+    return overrides
+
+
+def check_option(option: str, value: float | None, low: float, high: float, hint: str, *,
+                 above_low: bool = False) -> None:
+    """ConfigError unless `value` (None: not given) is a finite number in [low, high], or (low, high] with
+    `above_low`. The one range check of the library's option classes (estimate, find-batch, profile, eval), so a
+    NaN, an infinity or a number past what the option can mean is refused with its option name, in one line."""
+    if value is None:
+        return
+    in_range = _finite(value) and (value > low if above_low else value >= low) and value <= high
+    if not in_range:
+        interval = f"{'(' if above_low else '['}{_number(low)}, {_number(high)}]"
+        raise ConfigError(f"{option}: {show_value(value)} is outside {interval}", hint)
+
+
+def _number(x: float) -> str:
+    """1,000,000 for whole numbers people read at a glance, 1e+18 or 0.99 otherwise."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def save_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically: a temporary file renamed into place, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
