@@ -48,8 +48,10 @@ demo: install
 	$(NANOPT) train runs/demo
 	$(NANOPT) eval runs/demo
 
+# Two workers (pytest-xdist), so the suite keeps both cores busy; each is given whole files, so a file's module
+# fixtures (trained runs) are built once and its tests keep their order. A plain `pytest` stays one process.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 lint: install
 	$(PY) -m ruff check nanopt tests bench

@@ -8,6 +8,7 @@ or evaluates on it also exercises the data path.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +54,14 @@ def write_jsonl(path: Path, texts: list[str], column: str = "text") -> Path:
     return path
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread per process, as torchrun gives each rank (and the launcher each command). The models here
+    # are tiny and two cores are shared by this process, its ranks, find-batch's trial processes and any other
+    # work on the machine: OpenMP threads spinning for a busy core then cost several times the work they split.
+    # Set before torch is imported, so this process and every process it starts inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 TINY_SETTINGS = {"vocab_size": 512, "val_fraction": 0.1, "test_fraction": 0.1, "shard_tokens": 40_000}
 
 
@@ -92,9 +101,10 @@ def cli_in_process(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatc
     return run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def launcher(tmp_path_factory: pytest.TempPathFactory):
-    """A process that has imported torch once and forks each `nanopt` command (see tests/faulthelp.py)."""
+    """A process that has imported torch once and forks each `nanopt` command (see tests/faulthelp.py); one per
+    test process, shared by every module (its import alone is several seconds of CPU)."""
     from faulthelp import Launcher
 
     warm = Launcher(tmp_path_factory.mktemp("logs"))

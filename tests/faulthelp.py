@@ -88,6 +88,15 @@ class Child:
     def stderr(self) -> str:
         return self.err.read_text()
 
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status under subprocess's name, so clihelp.assert_user_error reads a child as a result."""
+        return self.status
+
 
 class Launcher:
     """Forks one `nanopt` command at a time from the warm process and reports its exit status."""
@@ -103,6 +112,7 @@ class Launcher:
         threading.Thread(target=self._read, daemon=True).start()
         assert self._next()["ready"]
         self.count = 0
+        self.current: Child | None = None
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -112,13 +122,26 @@ class Launcher:
         return self.lines.get(timeout=timeout)
 
     def start(self, *argv: object, fsize: int | None = None) -> Child:
+        self._end_leftover()
         self.count += 1
         child = Child(0, self.logs / f"{self.count}.out", self.logs / f"{self.count}.err")
         request = {"argv": [str(a) for a in argv], "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         child.pid = self._next()["pid"]
+        self.current = child
         return child
+
+    def _end_leftover(self) -> None:
+        """End a child that a failed test started and never waited for: the launcher forks one command at a time,
+        and the next test must not read that child's exit status as its own."""
+        leftover = self.current
+        if leftover is not None and not self.finished(leftover):
+            try:
+                os.kill(leftover.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait(leftover)
 
     def finished(self, child: Child) -> bool:
         """Whether the child has exited (without waiting)."""

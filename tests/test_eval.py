@@ -1,5 +1,9 @@
 """`nanopt eval` on a tiny trained run: the test loss against a direct computation, bits per byte, reproducible
-samples, the comparison table, other datasets and their tokenizers, and the errors a user can cause."""
+samples, the comparison table, other datasets and their tokenizers, and the errors a user can cause.
+
+Commands run in this process (`cli_in_process`) or, where another process matters, forked from the warm launcher
+(tests/faulthelp.py); two ranks run the library's evaluation on two gloo ranks (tests/distributed.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from clihelp import assert_user_error, run_cli
+from clihelp import assert_user_error
+from distributed import run_ranks
+from faulthelp import Launcher
 from trainhelp import make_run
 
 from nanopt.evaluate.compare import ranked
@@ -20,23 +26,30 @@ from nanopt.evaluate.report import training_seconds
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> dict[str, Path]:
     """`strong`: trained 12 steps with checkpoints at 6 and 12. `weak`: the same run as if it had stopped at step 6
     (a copy without the step-12 checkpoint), so it has a higher test loss."""
     root = tmp_path_factory.mktemp("runs")
     strong = make_run(root, tiny_dataset, "strong", max_steps=12, eval_interval=0, checkpoint_interval=6)
-    result = run_cli("train", strong, "--no-live", timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launcher.train(strong)
     weak = shutil.copytree(strong, root / "weak")
     shutil.rmtree(weak / "checkpoints" / "step-000012")
     return {"strong": strong, "weak": weak}
 
 
-def eval_json(*args: object, timeout: float = 120) -> dict:
-    """`nanopt eval ... --json` in a subprocess, exactly as a user runs it."""
-    result = run_cli("eval", *args, "--json", timeout=timeout)
+def eval_json(launcher: Launcher, *args: object) -> dict:
+    """`nanopt eval ... --json` in a process of its own, as a user runs it."""
+    result = launcher.run("eval", *args, "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
+
+
+def evaluate_in_rank(run: Path, checkpoint: str, tokens: int) -> dict:
+    """What `nanopt eval RUN --checkpoint C --tokens N --no-samples` does in each torchrun worker."""
+    from nanopt.evaluate.report import EvalOptions, evaluate_runs
+
+    [result] = evaluate_runs([run], EvalOptions(checkpoint=checkpoint, tokens=tokens, samples=None))
+    return result
 
 
 @pytest.fixture
@@ -101,10 +114,10 @@ def test_an_older_checkpoint_and_two_ranks(runs, tiny_dataset: Path, cli):
     older = in_process_json(cli, run, "--checkpoint", "step-000006", "--tokens", "2048", "--no-samples")
     assert older["step"] == 6
     assert abs(older["test_loss"] - direct_test_loss(run, tiny_dataset, "step-000006", 2048)) < 1e-5
-    two_ranks = eval_json(run, "--checkpoint", "step-000006", "--tokens", "2048", "--no-samples",
-                          "--nproc-per-node", "2")
+    two_ranks, rank1 = run_ranks(evaluate_in_rank, run, "step-000006", 2048)
     assert two_ranks["world_size"] == 2 and two_ranks["tokens"] == 2048
     assert two_ranks["test_loss"] == pytest.approx(older["test_loss"], abs=1e-6)
+    assert rank1["test_loss"] == two_ranks["test_loss"]  # the loss is reduced over the ranks: both hold it
     assert json.loads((run / "eval.json").read_text())["step"] == 6  # the run's latest evaluation
 
 
@@ -120,10 +133,10 @@ def test_default_slice_is_the_whole_test_split_when_smaller(runs, tiny_dataset: 
 # -------------------------------------------------------------------------------------------------- samples
 
 
-def test_samples_are_reproducible_with_a_seed(runs, cli):
+def test_samples_are_reproducible_with_a_seed(runs, cli, launcher: Launcher):
     args = (runs["strong"], "--tokens", "128", "--prompt", "The model", "--prompt", "", "--max-new-tokens", "12",
             "--temperature", "1.0", "--seed", "5")
-    first = eval_json(*args)["samples"]  # another process: nothing but the seed carries over
+    first = eval_json(launcher, *args)["samples"]  # another process: nothing but the seed carries over
     assert [s["prompt"] for s in first] == ["The model", ""]
     assert all(0 < s["new_tokens"] <= 12 and s["completion"] for s in first)
     assert in_process_json(cli, *args)["samples"] == first

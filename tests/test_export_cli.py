@@ -1,4 +1,6 @@
-"""`nanopt export` on a trained run: transformers loads the directory and computes nanopt's logits."""
+"""`nanopt export` on a trained run: transformers loads the directory and computes nanopt's logits.
+
+Each `nanopt` command is a process of its own, forked from the warm launcher (tests/faulthelp.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from clihelp import run_cli
+from faulthelp import Launcher
 from trainhelp import make_run
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_dataset: Path):
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     from tokenizers import Tokenizer
 
     from nanopt.config import model_config_from_snapshot
@@ -21,10 +23,9 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_data
     from nanopt.train.checkpoint import load_model_state, resolve
 
     run = make_run(tmp_path, tiny_dataset, max_steps=4, eval_interval=0, checkpoint_interval=4)
-    trained = run_cli("train", run, "--no-live", timeout=120)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    launcher.train(run)
     out = tmp_path / "hf"
-    result = run_cli("export", run, "--out", out, timeout=120)
+    result = launcher.run("export", run, "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "AutoModelForCausalLM.from_pretrained" in result.stdout and "config.json" in result.stdout
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
@@ -42,7 +43,7 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_data
         diff = (hf_model(ids).logits - model.eval()(ids)).abs().max().item()
     assert diff < 1e-4
 
-    forced = run_cli("export", run, "--out", out, "--force", "--json")  # replaces the export above
+    forced = launcher.run("export", run, "--out", out, "--force", "--json")  # replaces the export above
     assert forced.returncode == 0, forced.stderr[-3000:]
     summary = json.loads(forced.stdout)
     assert summary["step"] == 4 and summary["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size

@@ -1,5 +1,10 @@
 """`nanopt find-batch`: the search over sizes, ranks agreeing through a real gloo all-reduce, CPU memory bounds
-on a run whose activations grow with the micro-batch, and --write."""
+on a run whose activations grow with the micro-batch, and --write.
+
+Single-process commands run in this process (`cli_in_process`; each trial still gets a process of its own). The
+two-rank search goes through `--nproc-per-node 2` on purpose: it is the one command whose options (--start, --max)
+torchrun's own parser would take for its own if the launcher passed them on wrongly.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from clihelp import assert_user_error, run_cli
+from clihelp import assert_user_error
+from distributed import run_ranks
+from faulthelp import Launcher
 from trainhelp import make_run
 
 from nanopt.plan.find_batch.search import agree, search
@@ -61,10 +68,13 @@ def test_search_rejects_an_empty_range():
 # ------------------------------------------------------------------------------------------ rank agreement
 
 
-def _agree_worker(rank: int, init_file: str, out_dir: str) -> None:
+def _agree_in_rank() -> dict:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    from nanopt.runtime import ranks
+
+    rank = ranks().rank
+    dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR / MASTER_PORT, RANK, WORLD_SIZE
     rt = Runtime(device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=2, precision="fp32")
     # Rank 0 and rank 1 see different local outcomes; both must come away with the same answer.
     pairs = [(True, False), (False, True), (True, True), (False, False)]
@@ -72,15 +82,12 @@ def _agree_worker(rank: int, init_file: str, out_dir: str) -> None:
     # A whole search where rank 1 has less memory (fits up to 20) than rank 0 (up to 37).
     limit = 37 if rank == 0 else 20
     found, tried = search(lambda size: agree(rt, size <= limit), 1, 1024)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"answers": answers, "found": found, "tried": tried}))
     dist.destroy_process_group()
+    return {"answers": answers, "found": found, "tried": tried}
 
 
-def test_two_gloo_ranks_agree_on_the_minimum_and_bisect_identically(tmp_path: Path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_agree_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_two_gloo_ranks_agree_on_the_minimum_and_bisect_identically():
+    rank0, rank1 = run_ranks(_agree_in_rank)
     assert rank0["answers"] == rank1["answers"] == [False, False, True, False]
     assert rank0["found"] == rank1["found"] == 20
     assert rank0["tried"] == rank1["tried"]
@@ -93,24 +100,28 @@ GROWING_MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layer
                  "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
-def find_batch_json(run: Path, *args: str) -> dict:
-    result = run_cli("find-batch", run, "--json", "--margin", "0", *args, timeout=300)
+def find_batch_json(cli, run: Path, *args: str) -> dict:
+    """`nanopt find-batch RUN --json --margin 0 ARGS` through `cli` (in this process, or a launcher's `run`); a
+    trial that hangs ends at --timeout instead of holding up the test."""
+    result = cli("find-batch", run, "--json", "--margin", "0", "--timeout", "300", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 
-def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path):
+def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path, cli_in_process):
     run = make_run(tmp_path, tiny_dataset)
-    assert_user_error(run_cli("find-batch", run), "on the CPU", "--max-memory")
+    assert_user_error(cli_in_process("find-batch", run), "on the CPU", "--max-memory")
 
 
+@pytest.mark.slow
 def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_path: Path, tiny_dataset: Path,
+                                                                           cli_in_process,
                                                                            capsys: pytest.CaptureFixture,
                                                                            monkeypatch: pytest.MonkeyPatch):
     run = make_run(tmp_path, tiny_dataset, model=GROWING_MODEL, micro_batch_size=2, global_batch_tokens=16 * 256)
     before = json.loads((run / "train.json").read_text())
 
-    roomy = find_batch_json(run, "--max-memory", "4GiB", "--start", "4", "--max", "8")
+    roomy = find_batch_json(cli_in_process, run, "--max-memory", "4GiB", "--start", "4", "--max", "8")
     assert roomy["max_micro_batch"] == 8 and roomy["max_micro_batch_capped"]
     assert roomy["search_order"] == [4, 8]
     peaks = {t["micro_batch_size"]: t["peak_memory_bytes"] for t in roomy["trials"]}
@@ -120,7 +131,7 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
 
     # A bound between the peaks of 4 and 8 sequences: 4 must fit, 8 must not.
     bound = (peaks[4] + peaks[8]) // 2
-    tight = find_batch_json(run, "--max-memory", str(bound), "--start", "4", "--max", "8", "--write")
+    tight = find_batch_json(cli_in_process, run, "--max-memory", str(bound), "--start", "4", "--max", "8", "--write")
     assert 4 <= tight["max_micro_batch"] < roomy["max_micro_batch"]
     assert not tight["max_micro_batch_capped"]
     by_size = {t["micro_batch_size"]: t for t in tight["trials"]}
@@ -154,9 +165,11 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
         assert fragment in table
 
 
-def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: Path):
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     run = make_run(tmp_path, tiny_dataset, micro_batch_size=2, global_batch_tokens=2 * 32 * 2)
-    report = find_batch_json(run, "--nproc-per-node", "2", "--max-memory", "4GiB", "--start", "2", "--max", "4")
+    report = find_batch_json(launcher.run, run, "--nproc-per-node", "2", "--max-memory", "4GiB", "--start", "2",
+                             "--max", "4")
     assert report["world_size"] == 2
     assert report["max_micro_batch"] == 4 and report["search_order"] == [2, 4]
     assert all(t["fits"] and t["peak_memory_bytes"] > 0 for t in report["trials"])
@@ -167,11 +180,11 @@ def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_memory_cap_finds_a_smaller_batch(tmp_path: Path, tiny_dataset: Path):
+def test_gpu_memory_cap_finds_a_smaller_batch(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
                    micro_batch_size=2, global_batch_tokens=16 * 256)
-    large = find_batch_json(run, "--gpu-memory", "6GiB", "--max", "256")
-    small = find_batch_json(run, "--gpu-memory", "3GiB", "--max", "256")
+    large = find_batch_json(launcher.run, run, "--gpu-memory", "6GiB", "--max", "256")
+    small = find_batch_json(launcher.run, run, "--gpu-memory", "3GiB", "--max", "256")
     assert 0 < small["max_micro_batch"] < large["max_micro_batch"]
     assert any(t["reason"] in ("OOM", "over limit") for t in small["trials"])
     assert small["calibration"]["peak_error"] is not None
