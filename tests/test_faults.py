@@ -70,8 +70,10 @@ def resumed_step(stderr: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def newest_valid_step(run: Path) -> int | None:
-    found, _ = ckpt.newest_valid(run)
+def resume_step(run: Path) -> int | None:
+    """The step `nanopt train` resumes from: the checkpoint `latest` names (the newest valid one without it). A
+    kill between a checkpoint's rename and the pointer's update leaves a newer complete one that it passes over."""
+    found, _ = ckpt.latest(run)
     return found.step if found else None
 
 
@@ -81,7 +83,7 @@ def newest_valid_step(run: Path) -> int | None:
 def kill_at_random_moment(launcher: Launcher, run: Path, rng: random.Random) -> Child:
     """Start `nanopt train` and SIGKILL it at a moment drawn by `rng`: while it starts or resumes, just after a
     new checkpoint directory appears (mid-write, rename, pointer or retention), or a few steps into training."""
-    ckpts, resume_at = run / "checkpoints", newest_valid_step(run) or 0
+    ckpts, resume_at = run / "checkpoints", resume_step(run) or 0
     seen = set(os.listdir(ckpts)) if ckpts.is_dir() else set()
     moment = rng.choice(["starting", "writing", "training"])
     delay = {"starting": rng.uniform(0, 0.5), "writing": rng.uniform(0, 0.015), "training": rng.uniform(0, 0.03)}
@@ -133,7 +135,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     rng = random.Random(20240611)  # reproducible kill moments
     kills = 0
     for _ in range(40):
-        expected = newest_valid_step(run)
+        expected = resume_step(run)
         child = kill_at_random_moment(launcher, run, rng)
         if child.status == 0:  # it finished before its moment came: start over to keep killing
             shutil.rmtree(run / "checkpoints")
@@ -141,7 +143,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
             continue
         assert child.status == -signal.SIGKILL, child.stderr[-3000:]
         kills += 1
-        # Each restart continues from the newest complete checkpoint, and no kill damages one.
+        # Each restart continues from the checkpoint `latest` names, and no kill damages one.
         assert resumed_step(child.stderr) in (expected, None), child.stderr[-2000:]
         assert "damaged" not in child.stderr
         for path in (run / "checkpoints").glob("step-*"):  # not even an old one being deleted by retention
@@ -149,7 +151,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         if kills == 24:
             break
     assert kills >= 20
-    expected = newest_valid_step(run)
+    expected = resume_step(run)
     final = launcher.train(run)
     assert resumed_step(final.stderr) == expected
     assert not list((run / "checkpoints").glob(".tmp-*"))
@@ -393,7 +395,7 @@ def test_a_killed_rank_ends_the_job_with_a_message_and_checkpoints_stay_valid(tm
     assert "Traceback" not in err
     for path in ckpt.complete_checkpoints(run):
         ckpt.verify(path)
-    expected = newest_valid_step(run)
+    expected = resume_step(run)
     resumed = launcher.train(run, "--allow-changed")  # on one rank: the loader position is global
     assert resumed_step(resumed.stderr) == expected and max(losses(run)) == 20
 
