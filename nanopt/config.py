@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nanopt.errors import ConfigError
-from nanopt.parsing import from_dict, read_json, show_value
+from nanopt.parsing import from_dict, path_kind, read_json, show_value
 
 Architecture = Literal["llama", "gpt2"]
 Schedule = Literal["cosine", "wsd", "constant"]
@@ -282,15 +282,11 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load and validate runs/NAME/model.json and train.json, applying `--set` overrides to train.json."""
     run_dir = Path(run_dir)
-    try:
-        is_file, is_dir = run_dir.is_file(), run_dir.is_dir()
-    except OSError as exc:  # a name too long to look up, a loop of symbolic links
-        raise ConfigError(f"{show_value(str(run_dir))}: not a usable path ({exc.strerror})",
-                          "pass a run directory such as runs/demo") from None
-    if is_file:
+    kind = path_kind(run_dir, ConfigError, "pass a run directory such as runs/demo")
+    if kind == "file":
         raise ConfigError(f"{run_dir}: is a file, not a run directory",
                           "pass the directory that holds model.json and train.json, e.g. runs/demo")
-    if not is_dir:
+    if kind == "missing":
         raise ConfigError(f"{run_dir}: run directory not found",
                           "create one with model.json and train.json, or copy runs/demo")
     model = load_model_config(run_dir / "model.json")

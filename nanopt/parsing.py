@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from nanopt.errors import ConfigError
+from nanopt.errors import ConfigError, NanoptError
 
 INT64_MAX = 2**63 - 1
 
@@ -183,3 +183,12 @@ def save_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def path_kind(path: Path, error: type[NanoptError], hint: str) -> str:
+    """"dir", "file" or "missing": what a path given by a person is. One that the OS cannot even look up (a name too
+    long, a loop of symbolic links) is `error`, one line, rather than an OSError traceback."""
+    try:
+        return "dir" if path.is_dir() else "file" if path.is_file() else "missing"
+    except OSError as exc:
+        raise error(f"{show_value(str(path), 60)}: not a usable path ({exc.strerror})", hint) from None

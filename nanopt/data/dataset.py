@@ -30,6 +30,7 @@ import numpy as np
 
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file, token_dtype
 from nanopt.errors import DataError
+from nanopt.parsing import path_kind
 
 DTYPES = ("uint16", "uint32")
 VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at open: about 1-2 s
@@ -62,16 +63,11 @@ class TokenDataset:
         module docstring for what each costs); DataError naming the first file that does not match meta.json."""
         path = Path(path)
         make_it = f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)"
-        try:
-            is_file, is_dir = path.is_file(), path.is_dir()
-        except OSError as exc:  # a name too long to look up, a loop of symbolic links: not a missing dataset
-            shown = str(path) if len(str(path)) <= 60 else f"{str(path)[:60]}... ({len(str(path)):,} characters)"
-            raise DataError(f"{shown}: not a usable path ({exc.strerror})",
-                            "give the dataset directory made by `nanopt tokenize`, e.g. data/stdlib") from None
-        if is_file:
+        kind = path_kind(path, DataError, "give the dataset directory made by `nanopt tokenize`, e.g. data/stdlib")
+        if kind == "file":
             raise DataError(f"{path}: is a file, not a directory (a dataset is a directory)",
                             "give the dataset directory made by `nanopt tokenize` that holds meta.json")
-        if not is_dir:
+        if kind == "missing":
             raise DataError(f"{path}: dataset directory not found", make_it)
         meta = _read_meta(path)
         _check_meta(path, meta)
