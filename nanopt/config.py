@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from nanopt.errors import ConfigError
 from nanopt.parsing import from_dict, path_kind, read_json, show_value
+from nanopt.rundir import RunDir
 
 Architecture = Literal["llama", "gpt2"]
 Schedule = Literal["cosine", "wsd", "constant"]
@@ -289,8 +290,9 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
     if kind == "missing":
         raise ConfigError(f"{run_dir}: run directory not found",
                           "create one with model.json and train.json, or copy runs/demo")
-    model = load_model_config(run_dir / "model.json")
-    train_path = run_dir / "train.json"
+    paths = RunDir(run_dir)
+    model = load_model_config(paths.model_json)
+    train_path = paths.train_json
     raw = read_json(train_path)
     source = str(train_path)
     if overrides:

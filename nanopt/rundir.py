@@ -63,9 +63,6 @@ class RunDir:
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / step_dir_name(step)
 
-    def pointer(self, name: str) -> Path:
-        return self.checkpoints / name
-
     @property
     def metrics(self) -> Path:
         return self.root / METRICS_FILE

@@ -28,12 +28,12 @@ def check_output(out: Path, force: bool) -> None:
         raise DataError(f"{out}: exists and is not a directory", "choose another --out")
     if not force:
         raise DataError(f"{out}: already exists", "pass --force to replace it, or choose another --out")
-    if not _is_dataset(out):
+    if not is_dataset(out):
         raise DataError(f"{out}: exists and is not a nanopt dataset (no meta.json of format {FORMAT}); "
                         "--force only replaces datasets", "delete it yourself or choose another --out")
 
 
-def _is_dataset(path: Path) -> bool:
+def is_dataset(path: Path) -> bool:
     try:
         return json.loads((path / "meta.json").read_text(encoding="utf-8")).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from nanopt.config import ModelConfig
-from nanopt.data.output import _is_dataset
+from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.rundir import RunDir
@@ -322,7 +322,7 @@ def _refuse_what_is_never_replaced(out_dir: Path, run_dir: Path | None) -> None:
         raise ConfigError(f"{out_dir}: is the current directory", hint)
     if target in cwd.parents:
         raise ConfigError(f"{out_dir}: contains the current directory", hint)
-    if _is_dataset(out_dir):
+    if is_dataset(out_dir):
         raise ConfigError(f"{out_dir}: is a nanopt dataset", hint)
 
 

@@ -65,8 +65,8 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
                      optimizer_state: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Write one checkpoint atomically (rank 0 only). Raises CheckpointError if the disk refuses."""
     root = checkpoints_dir(run_dir)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
+    final = RunDir(run_dir).step_dir(step)
+    tmp = root / f".tmp-{final.name}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
