@@ -368,3 +368,16 @@ def test_the_catalogue_spans_every_command():
     commands = {case.__name__.split("_")[0].replace("find", "find-batch") for case in CASES}
     assert commands == {"estimate", "tokenize", "find-batch", "profile", "train", "eval", "export"}
     assert len(CASES) >= 25
+
+
+def test_python_m_nanopt_without_its_dependencies_says_how_to_install():
+    """A Python that lacks typer (the system one, not .venv's): one line with the install command, not a traceback."""
+    import subprocess
+    import sys
+
+    from clihelp import REPO
+
+    hide_typer = ("import runpy, sys; sys.modules['typer'] = None; sys.argv = ['nanopt', '--help']; "
+                  "runpy.run_module('nanopt', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hide_typer], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert_user_error(result, "dependency 'typer'", "make install")
