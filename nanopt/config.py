@@ -112,7 +112,7 @@ def _llama_intermediate(hidden: int) -> int:
 class TrainConfig:
     """Data, batch, optimizer, schedule, eval, checkpoint and runtime settings of a run."""
 
-    data: str  # dataset directory made by `nanopt tokenize`; relative paths are from the current directory
+    data: str  # dataset directory made by `nanopt tokenize`; a relative path is relative to the run directory
     micro_batch_size: int
     global_batch_tokens: int  # tokens per optimizer step across all ranks
     train_tokens: int | None = None  # token budget; or give max_steps
@@ -193,6 +193,12 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.train.resolved_seq_len(self.model)
+
+    @property
+    def data_dir(self) -> Path:
+        """The dataset directory. A relative `data` is relative to the run directory, not to wherever the command
+        runs, so `nanopt train/eval/export runs/NAME` find the same dataset from any working directory."""
+        return self.run_dir / self.train.data  # an absolute `data` stays as it is
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -297,11 +303,20 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
     source = str(train_path)
     if overrides:
         if isinstance(raw, dict):
-            raw = {**raw, **overrides}
+            raw = {**raw, **_from_command_line(overrides)}
         source = f"{train_path} (with --set {', '.join(overrides)})"
     train = from_dict(TrainConfig, raw, source)
     train.validate(model, source)
     return RunConfig(run_dir=run_dir, model=model, train=train)
+
+
+def _from_command_line(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`--set data=DIR` is typed in a shell, so a relative DIR is relative to the current directory, as every other
+    path on the command line is; it is made absolute before it joins train.json's values."""
+    data = overrides.get("data")
+    if isinstance(data, str) and data.strip() and "\0" not in data:
+        return {**overrides, "data": os.path.abspath(data)}
+    return overrides
 
 
 def model_config_from_snapshot(data: dict[str, Any]) -> ModelConfig:

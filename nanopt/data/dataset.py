@@ -22,15 +22,19 @@ What is checked, and what it costs (sha256 runs at roughly 0.5-1.5 GB/s on one c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file, token_dtype
 from nanopt.errors import DataError
 from nanopt.parsing import path_kind
+
+if TYPE_CHECKING:
+    from nanopt.config import RunConfig
 
 DTYPES = ("uint16", "uint32")
 VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at open: about 1-2 s
@@ -41,6 +45,25 @@ VerifyProgress = Callable[[int, int], None]
 
 def retokenize_hint(path: Path) -> str:
     return f"re-create it: `nanopt tokenize SOURCE --out {path} --force` (no SOURCE: the built-in corpus)"
+
+
+def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES) -> TokenDataset:
+    """The dataset train.json's `data` names, relative to the run directory; a missing one is a DataError that
+    names both the value in train.json and the path it was looked for at."""
+    if path_kind(run.data_dir, DataError, "give the dataset directory made by `nanopt tokenize`") == "missing":
+        relative = "" if Path(run.train.data).is_absolute() else ", relative to the run directory"
+        raise DataError(f"{run.data_dir}: dataset directory not found ({run.run_dir / 'train.json'} 'data': "
+                        f"{run.train.data!r}{relative})", _missing_data_hint(run))
+    return TokenDataset.open(run.data_dir, verify_up_to_bytes=verify_up_to_bytes)
+
+
+def _missing_data_hint(run: RunConfig) -> str:
+    data = Path(run.train.data)
+    if not data.is_absolute() and (data / "meta.json").is_file():
+        # Written before data paths were relative to the run directory: it is there from the current directory.
+        return (f"the dataset is at {data} from the current directory: write \"data\": "
+                f"\"{os.path.relpath(data, run.run_dir)}\" (or an absolute path) in train.json")
+    return f"make it with `nanopt tokenize SOURCE --out {run.data_dir}`, or correct 'data' in train.json"
 
 
 class TokenDataset:

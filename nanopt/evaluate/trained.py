@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from nanopt.config import RunConfig, TrainConfig, model_config_from_snapshot
-from nanopt.data.dataset import TokenDataset, check_compatible
+from nanopt.data.dataset import TokenDataset, check_compatible, open_run_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import from_dict
@@ -38,7 +38,7 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None)
     check_run_directory(run_dir)
     ckpt = resolve(run_dir, which)
     run = run_config_from_snapshot(run_dir, ckpt)
-    dataset = TokenDataset.open(data if data is not None else run.train.data)
+    dataset = TokenDataset.open(data) if data is not None else open_run_dataset(run)
     dataset.tokenizer()  # samples and export need it: an unreadable file fails now, not after the work
     tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
@@ -84,7 +84,7 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
     Token ids mean nothing across tokenizers: a model evaluated on another tokenizer's ids gives a meaningless
     loss rather than an error, so the mismatch must be caught here.
     """
-    trained_path = Path(run.train.data)
+    trained_path = run.data_dir
     own = trained_path.resolve() == dataset.path.resolve()
     recorded = ckpt.meta.get("tokenizer_sha256")
     if isinstance(recorded, str):
@@ -108,7 +108,7 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
 
 
 def _another_tokenizer(run: RunConfig, dataset: TokenDataset, difference: str, own: bool) -> DataError:
-    trained_path = Path(run.train.data)
+    trained_path = run.data_dir
     if own:  # the training dataset's path now holds another dataset: its tokenizer.json is not the one to use
         return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on: it was "
                          f"re-made since training ({difference})",

@@ -23,9 +23,10 @@ from nanopt.train.metrics import read_metrics
 from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state
 from nanopt.train.session import Session
 
-FREE = {"eval_interval", "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval", "compile",
+# `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
+FREE = {"data", "eval_interval", "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval", "compile",
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold"}
-NEVER = {"data", "seq_len", "global_batch_tokens", "seed"}
+NEVER = {"seq_len", "global_batch_tokens", "seed"}
 
 
 def data_fingerprint(dataset: Any) -> str:

@@ -71,7 +71,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     only.
     """
     from nanopt.data.budget import tokens_to_train
-    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, TokenDataset
+    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, open_run_dataset
     from nanopt.data.loader import TrainLoader, check_budget, check_compatible
     from nanopt.model.transformer import Transformer
 
@@ -80,7 +80,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     accum = run.grad_accum_steps(rt.world_size)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
-    dataset = TokenDataset.open(run.train.data, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
+    dataset = open_run_dataset(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
     check_compatible(dataset, run.model.vocab_size)
     if check_data_budget:
         check_budget(dataset, "train", tokens_to_train(run))
