@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
@@ -26,6 +27,16 @@ Examples:
   nanopt tokenize 'dump/*.parquet' --text-column content --tokenizer HuggingFaceTB/SmolLM-360M --out data/code
 
   nanopt tokenize notes.txt --sample-by paragraph --vocab-size 2048 --out data/notes --force --json
+
+  nanopt tokenize mine.jsonl --tokenizer gpt2 --max-tokens chinchilla --run runs/gpt2-small --out data/mine   # val/test sized for the run's eval_tokens
+
+  nanopt tokenize more.jsonl --tokenizer data/mine --out data/more   # data/mine's tokenizer and end-of-text token
+
+  nanopt tokenize corpus/ --vocab-size 32768 --val-tokens 4M --test-tokens 2M --out data/big
+
+val and test: a document is held out for one of them by a hash of its text (5% of documents each) until the split
+has --val-tokens / --test-tokens (default: the --run's eval_tokens, else 1,048,576), in source order; the rest
+trains. --val-fraction / --test-fraction change the share; given alone, that share of all documents, with no limit.
 """  # noqa: E501  (whole commands stay on one line so they can be copied)
 
 
@@ -39,24 +50,32 @@ def tokenize_command(
     text_column: str = typer.Option("text", "--text-column", help="Column holding the text (json, parquet, hub)."),
     sample_by: str = typer.Option("document", "--sample-by", help="Text files: one document per file "
                                                                   "(document), per blank-line paragraph, or line."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Hugging Face tokenizer name (e.g. gpt2) or "
-                                                                   "a local tokenizer.json / directory."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Hugging Face tokenizer name (e.g. gpt2), a "
+                                                                   "local tokenizer.json / directory, or a nanopt "
+                                                                   "dataset (its tokenizer and end-of-text token)."),
     vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a byte-level BPE of this size instead "
                                                                      "(built-in corpus default: 1024)."),
     eos_token: str | None = typer.Option(None, "--eos-token", help="End-of-text token of a loaded tokenizer, "
                                                                    "when it cannot be detected."),
     tokenizer_sample_mb: int = typer.Option(64, "--tokenizer-sample-mb", help="Train the BPE on the first this "
                                                                              "many MiB of training documents."),
-    val_fraction: float | None = typer.Option(None, "--val-fraction", help="Share of documents in val (default "
-                                                                           "0.005; built-in corpus 0.05)."),
-    test_fraction: float | None = typer.Option(None, "--test-fraction", help="Share of documents in test (same "
-                                                                             "defaults)."),
+    val_fraction: float | None = typer.Option(None, "--val-fraction", help="Share of documents held out for val "
+                                                                           "(default 0.05), up to --val-tokens; "
+                                                                           "given alone: all of them, no limit."),
+    test_fraction: float | None = typer.Option(None, "--test-fraction", help="The same for test."),
+    val_tokens: str | None = typer.Option(None, "--val-tokens", help="Held-out documents join val until it has "
+                                                                     "this many tokens (default: the --run's "
+                                                                     "eval_tokens, else 1,048,576); e.g. 4M."),
+    test_tokens: str | None = typer.Option(None, "--test-tokens", help="The same for test (what nanopt eval "
+                                                                       "scores)."),
     max_tokens: str | None = typer.Option(None, "--max-tokens", help="Stop when train has this many tokens: 2.5B, "
                                                                      "500M, 20e9, or chinchilla (with --run)."),
-    run_dir: Path | None = typer.Option(None, "--run", help="Run directory whose model sets --max-tokens "
-                                                            "chinchilla: 20 tokens per parameter, rounded up to "
-                                                            "the run's whole global batches, plus 1 (what train "
-                                                            "reads)."),
+    run_dir: Path | None = typer.Option(None, "--run", help="Run directory this dataset is for: its model sets "
+                                                            "--max-tokens chinchilla (20 tokens per parameter, "
+                                                            "rounded up to the run's whole global batches, plus 1: "
+                                                            "what train reads), its eval_tokens the default "
+                                                            "--val-tokens / --test-tokens, and val and test are "
+                                                            "checked against one of its evaluation batches."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
     batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
                                                              "each call is encoded on all cores."),
@@ -77,7 +96,10 @@ def tokenize_command(
     settings = dict(config=config, split=split, text_column=text_column, sample_by=sample_by, tokenizer=tokenizer,
                     vocab_size=vocab_size, eos_token=eos_token, tokenizer_sample_bytes=tokenizer_sample_mb << 20,
                     val_fraction=val_fraction, test_fraction=test_fraction,
-                    max_tokens=resolve_max_tokens(max_tokens, run_dir),
+                    val_tokens=None if val_tokens is None else parse_token_count(val_tokens, "--val-tokens"),
+                    test_tokens=None if test_tokens is None else parse_token_count(test_tokens, "--test-tokens"),
+                    max_tokens=resolve_max_tokens(max_tokens, run_dir), max_tokens_as_given=max_tokens,
+                    run=None if run_dir is None else str(run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
                     on_decode_error=on_decode_error, force=force)
     with _progress() as reporter:
@@ -91,7 +113,6 @@ def tokenize_command(
 def _progress():
     """A rich progress bar on stderr (nothing when stderr is not a terminal), as a pipeline ProgressReporter."""
     import rich.progress as rp
-    from rich.markup import escape
 
     from nanopt.data.pipeline import ProgressReporter
 
@@ -153,5 +174,7 @@ def render(s: dict[str, Any]) -> None:
               f"{fmt.duration(s['tokenize_seconds'])}: {fmt.count(s['tokens_per_second'])} tokens/s, "
               f"{fmt.count(s['documents_per_second'])} docs/s); {s['empty_documents_skipped']:,} empty documents "
               f"skipped{budget}")
+    for note in s["notes"]:
+        out.print(f"note: {escape(note)}")
     for warning in s["warnings"]:
-        out.print(f"[yellow]warning:[/] {warning}")
+        out.print(f"[yellow]warning:[/] {escape(warning)}")

@@ -71,10 +71,9 @@ def chinchilla_train_tokens(run_dir: Path | str) -> int:
 
 
 def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> int | None:
-    """The --max-tokens option: None (no budget), a count, or `chinchilla` (needs --run)."""
+    """The --max-tokens option: None (no budget), a count, or `chinchilla` (needs --run; a run given without it
+    still sets the held-out splits' defaults, nanopt.data.settings)."""
     if text is None:
-        if run_dir is not None:
-            raise ConfigError("--run is only used with --max-tokens chinchilla", "add --max-tokens chinchilla")
         return None
     if text.strip().lower() == "chinchilla":
         if run_dir is None:

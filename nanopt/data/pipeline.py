@@ -4,12 +4,15 @@ Local files are checked first (nanopt.data.textcheck.check_text_file): a file th
 are not UTF-8 are counted per file, warned about and recorded in meta.json, or refused with --on-decode-error
 refuse, before anything is written.
 
-Documents stream through in batches: read and split-assigned on the main thread, encoded by the tokenizers
+Documents stream through in batches: read and hashed on the main thread, encoded by the tokenizers
 library's own thread pool (`encode_batch` releases the GIL, and two batches are kept in flight so both cores stay
 busy while the main thread reads the next batch and writes the previous one), then appended to the split's
-shards. A document longer than MAX_PIECE_CHARS is encoded as several pieces, cut where the ids do not change
-(nanopt.data.tokenizer.piece_ends), so the tokenizer's memory does not grow with the longest document either.
-Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size.
+shards. Each document's split is settled in source order as its ids are written (nanopt.data.documents.SplitRule:
+its hash holds it out for val or test while that split is short of its target of tokens), so the shards do not
+depend on the batch size. A document longer than MAX_PIECE_CHARS is encoded as several pieces, cut where the ids
+do not change (nanopt.data.tokenizer.piece_ends), so the tokenizer's memory does not grow with the longest document
+either. Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size, and the
+split rule keeps the hashes of held-out documents only (bounded by the held-out targets).
 
 Everything is written into a hidden staging directory beside the output and renamed into place at the end, with
 meta.json written last, so an interrupted run never leaves a directory that looks like a complete dataset.
@@ -27,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from nanopt.data.documents import clean, document_pieces, is_empty
+from nanopt.data.documents import HELD_OUT, SplitRule, clean, document_pieces, is_empty
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, leftover_staging_dirs, staging_dir, write_meta
-from nanopt.data.settings import TokenizeSettings
+from nanopt.data.settings import RunEval, TokenizeSettings, run_eval
 from nanopt.data.shards import SplitWriter, token_dtype
 from nanopt.data.sources import Source, open_source
 from nanopt.data.stats import SplitStats
@@ -75,9 +78,10 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
     given.validate()
     out = Path(out)
     check_output(out, given.force)
+    evaluation = run_eval(given.run)
     src = source if hasattr(source, "texts") else open_source(source, given.config, given.split,
                                                                 given.text_column, given.sample_by)
-    opts = given.resolved(src)
+    opts = given.resolved(src, evaluation)
     reporter = progress or ProgressReporter()
     fix_mmap_threshold()
     started = time.monotonic()
@@ -90,7 +94,7 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
         seconds = time.monotonic() - started
         meta = write_meta(root, named, run.split_dicts(), _source_record(src, undecodable), _settings_record(opts),
                           run.extra(), seconds)
-    return _summary(out, meta, seconds, run)
+    return _summary(out, meta, seconds, run, evaluation)
 
 
 def _check_text_files(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> dict[str, int] | None:
@@ -141,15 +145,15 @@ def _prepare_tokenizer(src: Source, opts: TokenizeSettings, reporter: ProgressRe
 def _tokenizer_sample(src: Source, opts: TokenizeSettings, reporter: ProgressReporter) -> Iterator[str]:
     """Training-split documents from the start of the source, up to the byte bound (val/test stay unseen). Long
     documents come in the pieces they are encoded in: the trainer's memory, too, grows with what it gets at once."""
-    val, test = opts.val_fraction, opts.test_fraction
+    rule = _split_rule(opts)
     taken = documents = 0
     known = src.size_hint().bytes
     expected = min(opts.tokenizer_sample_bytes, known) if known else opts.tokenizer_sample_bytes
     for raw in src.texts():
         if is_empty(raw):
             continue
-        split, pieces = document_pieces(raw, val, test)
-        if split != "train":
+        key, pieces = document_pieces(raw)
+        if rule.held_out_for(key) != "train":  # held out whether or not its split will still take it
             continue
         documents += 1
         for text, nbytes in pieces:
@@ -165,13 +169,24 @@ class _Batch:
     """Pieces to encode together: whole documents, or consecutive pieces of a long one (last: it ends there)."""
 
     texts: list[str] = field(default_factory=list)
-    splits: list[str] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # the document's (nanopt.data.documents.document_key)
     nbytes: list[int] = field(default_factory=list)
     last: list[bool] = field(default_factory=list)
 
 
+@dataclass
+class _Routed:
+    """Where the pieces of a batch go: their split (None: dropped, train past the budget), whether an EOS follows
+    each, and whether each ends its document in the statistics (a document cut at the budget ends there)."""
+
+    splits: list[str | None] = field(default_factory=list)
+    eos: list[bool] = field(default_factory=list)
+    ends: list[bool] = field(default_factory=list)
+
+
 class _Run:
-    """One pass over the source: batches in, shards and statistics out, stopping at the token budget."""
+    """One pass over the source: batches in, shards and statistics out. Train stops at the token budget; reading
+    goes on while a held-out split with a target is short of it (nanopt.data.documents.SplitRule)."""
 
     def __init__(self, src: Source, named: NamedTokenizer, root: Path, opts: TokenizeSettings,
                  reporter: ProgressReporter) -> None:
@@ -179,6 +194,9 @@ class _Run:
         self.dtype = token_dtype(named.vocab_size)
         self.writers = {s: SplitWriter(root, s, self.dtype, opts.shard_tokens) for s in SPLITS}
         self.stats = {s: SplitStats() for s in SPLITS}
+        self.rule = _split_rule(opts)
+        self.routed_tokens = dict.fromkeys(SPLITS, 0)  # as written, EOS included; ahead of stats within a batch
+        self.open_split: str | None = None  # the split of a long document whose last piece is still to come
         self.shards: dict[str, list] = {}
         self.skipped_empty = self.read_documents = self.read_bytes = 0
         self.stopped_at_budget = False
@@ -190,8 +208,8 @@ class _Run:
         try:
             self.reporter.phase("tokenizing")
             for batch, ids in _encode_ahead(self._batches(), self.named.tokenizer):
-                if self._write(batch, ids):
-                    self.stopped_at_budget = True
+                self._write(batch, ids)
+                if self._complete():
                     break
             self.shards = {split: writer.close() for split, writer in self.writers.items()}
             self.seconds = time.monotonic() - started
@@ -202,18 +220,27 @@ class _Run:
             raise DataError(f"the source has no documents ({self.skipped_empty} empty ones skipped)",
                             "check the source path or name, --split and --text-column")
 
+    def _complete(self) -> bool:
+        """Train has its budget and no held-out split wants more, nor has a document half written (a long one is
+        written in pieces, and a held-out document joins whole)."""
+        return (self.stopped_at_budget and self.open_split not in HELD_OUT
+                and not self.rule.filling(self.routed_tokens))
+
     def _batches(self) -> Iterator[_Batch]:
-        val, test = self.opts.val_fraction, self.opts.test_fraction
         batch, batch_bytes = _Batch(), 0
         for raw in self.src.texts():
+            if self._complete():  # the encoder may be a few batches behind: no need to read on meanwhile
+                break
             self.read_documents += 1
             if is_empty(raw):
                 self.skipped_empty += 1
                 continue
-            split, pieces = document_pieces(raw, val, test)
+            key, pieces = document_pieces(raw)
+            if self.stopped_at_budget and self.rule.held_out_for(key) == "train":
+                continue  # past the budget only held-out documents are still taken: do not encode the others
             for number, (text, nbytes) in enumerate(pieces, 1):
                 batch.texts.append(text)
-                batch.splits.append(split)
+                batch.keys.append(key)
                 batch.nbytes.append(nbytes)
                 batch.last.append(number == len(pieces))
                 batch_bytes += nbytes
@@ -224,44 +251,60 @@ class _Run:
         if batch.texts:
             yield batch
 
-    def _write(self, batch: _Batch, ids: list[list[int]]) -> bool:
-        """Append a batch to the shards; True when the train budget is reached (the batch is cut there)."""
-        cut, keeps_eos = self._budget_cut(batch, ids) or (None, False)
-        count = len(ids) if cut is None else cut + 1
-        eos = [batch.last[i] and (i != cut or keeps_eos) for i in range(count)]
-        ends = [batch.last[i] or i == cut for i in range(count)]  # a document cut at the budget ends there
+    def _write(self, batch: _Batch, ids: list[list[int]]) -> None:
+        """Append a batch to the shards of the splits its documents go to."""
+        reached_before = self.stopped_at_budget
+        routed = self._route(batch, ids)
+        if self.stopped_at_budget and not reached_before and not self._complete():
+            self.reporter.phase("train has its --max-tokens: reading on to fill val and test")
         for split in SPLITS:
-            members = [i for i in range(count) if batch.splits[i] == split]
+            members = [i for i, to in enumerate(routed.splits) if to == split]
             if members:
-                tokens = self._concatenate([ids[i] for i in members], [eos[i] for i in members])
+                tokens = self._concatenate([ids[i] for i in members], [routed.eos[i] for i in members])
                 self.writers[split].write(tokens)
                 self.stats[split].add([len(ids[i]) for i in members], [batch.nbytes[i] for i in members],
-                                      [ends[i] for i in members], tokens)
+                                      [routed.ends[i] for i in members], tokens)
         self._report()
-        return cut is not None
 
-    def _budget_cut(self, batch: _Batch, ids: list[list[int]]) -> tuple[int, bool] | None:
-        """(index of the train piece at which the split reaches --max-tokens, whether its document's EOS still
-        fits), or None while the budget is not reached. A piece that goes over is shortened to end exactly there."""
-        budget = self.opts.max_tokens
-        if budget is None:
-            return None
-        train_tokens = self.stats["train"].tokens
-        for i, split in enumerate(batch.splits):
-            if split != "train":
-                continue
-            train_tokens += len(ids[i]) + batch.last[i]
-            overshoot = train_tokens - budget
-            if overshoot == 0:
-                return i, batch.last[i]
-            if overshoot > 0:
-                keep = len(ids[i]) + batch.last[i] - overshoot  # the EOS goes first, then tokens
-                if keep < len(ids[i]):
-                    ids[i] = ids[i][:keep]
-                    text = self.named.tokenizer.decode(ids[i], skip_special_tokens=False)
-                    batch.nbytes[i] = len(clean(text)[1])
-                return i, False
-        return None
+    def _route(self, batch: _Batch, ids: list[list[int]]) -> _Routed:
+        """Each piece's split, in source order: a document's split is settled at its first piece from the tokens
+        routed before it, so the result does not depend on how documents are batched."""
+        routed = _Routed()
+        for i, last in enumerate(batch.last):
+            if self.open_split is None:
+                self.open_split = self.rule.split_of_next(batch.keys[i], self.routed_tokens, self.stopped_at_budget)
+            split, eos, ends = self.open_split, last, last
+            if split == "train":
+                if self.stopped_at_budget:
+                    split = None
+                else:
+                    eos, ends = self._train_piece(batch, ids, i)
+            if split is not None:
+                self.routed_tokens[split] += len(ids[i]) + eos
+            routed.splits.append(split)
+            routed.eos.append(eos)
+            routed.ends.append(ends)
+            if last:
+                self.open_split = None
+        return routed
+
+    def _train_piece(self, batch: _Batch, ids: list[list[int]], i: int) -> tuple[bool, bool]:
+        """(whether the EOS follows, whether the document ends here) for a train piece. The piece at which train
+        reaches --max-tokens is shortened to end exactly there (the EOS goes first, then tokens), and ends its
+        document; stopped_at_budget is set."""
+        last, budget = batch.last[i], self.opts.max_tokens
+        overshoot = (self.routed_tokens["train"] + len(ids[i]) + last - budget) if budget is not None else -1
+        if overshoot < 0:
+            return last, last
+        self.stopped_at_budget = True
+        if overshoot == 0:
+            return last, True
+        keep = len(ids[i]) + last - overshoot
+        if keep < len(ids[i]):
+            ids[i] = ids[i][:keep]
+            text = self.named.tokenizer.decode(ids[i], skip_special_tokens=False)
+            batch.nbytes[i] = len(clean(text)[1])
+        return False, True
 
     def _concatenate(self, pieces: list[list[int]], eos: list[bool]) -> np.ndarray:
         """One token array: each piece, followed by EOS where eos says (the end of its document). Filled in place,
@@ -277,9 +320,7 @@ class _Run:
         return tokens
 
     def _report(self) -> None:
-        fractions = []
-        if self.opts.max_tokens:
-            fractions.append(self.stats["train"].tokens / self.opts.max_tokens)
+        fractions = [self._budget_progress()] if self.opts.max_tokens else []
         if self.size.bytes:
             fractions.append(self.read_bytes / self.size.bytes)
         if self.size.documents:
@@ -288,6 +329,12 @@ class _Run:
         tokens = sum(s.tokens for s in self.stats.values())
         self.reporter.update(documents, tokens, min(1.0, max(fractions)) if fractions else None)
 
+    def _budget_progress(self) -> float:
+        """Train's share of --max-tokens; past it, how full the emptiest held-out split with a target is."""
+        if not self.stopped_at_budget:
+            return self.stats["train"].tokens / self.opts.max_tokens
+        return min((self.routed_tokens[s] / self.rule.target(s) for s in self.rule.targeted()), default=1.0)
+
     def split_dicts(self) -> dict[str, dict[str, Any]]:
         return {split: {**self.stats[split].to_dict(), "shards": [s.to_dict() for s in self.shards[split]]}
                 for split in SPLITS}
@@ -295,6 +342,11 @@ class _Run:
     def extra(self) -> dict[str, Any]:
         return {"documents_read": self.read_documents, "empty_documents_skipped": self.skipped_empty,
                 "stopped_at_budget": self.stopped_at_budget}
+
+
+def _split_rule(opts: TokenizeSettings) -> SplitRule:
+    """The split rule of resolved settings (TokenizeSettings.resolved)."""
+    return SplitRule(opts.val_fraction, opts.test_fraction, opts.val_tokens, opts.test_tokens)
 
 
 def _encode_ahead(batches: Iterator[_Batch], tokenizer: Any) -> Iterator[tuple[_Batch, list[list[int]]]]:
@@ -322,19 +374,28 @@ def _encode_ahead(batches: Iterator[_Batch], tokenizer: Any) -> Iterator[tuple[_
                 future.cancel()
 
 
+SPLIT_RULE = ("blake2b-64 of the UTF-8 text: below val_fraction holds a document out for val, the next test_fraction "
+              "for test; held-out documents join their split in source order while it has fewer than val_tokens / "
+              "test_tokens tokens (null: no limit), then train; a copy joins where its first copy did")
+
+
 def _settings_record(opts: TokenizeSettings) -> dict[str, Any]:
     record = {k: v for k, v in asdict(opts).items() if k != "force"}
-    return {**record, "split_rule": "blake2b-64 of the UTF-8 text"}
+    return {**record, "split_rule": SPLIT_RULE}
 
 
-def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run) -> dict[str, Any]:
+def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run,
+             evaluation: RunEval | None) -> dict[str, Any]:
     splits = {name: {k: v for k, v in info.items() if k != "shards"} | {"shards": len(info["shards"])}
               for name, info in meta["splits"].items()}
     tokens = sum(s["tokens"] for s in splits.values())
     documents = sum(s["documents"] for s in splits.values())
+    settings = meta["settings"]
+    budget = _budget(settings, splits["train"]["tokens"])
     warnings = [f"split '{name}' is empty: raise --{name}-fraction or give more documents (text files: "
-                f"--sample-by paragraph)" for name in ("val", "test") if not splits[name]["documents"]
-                and meta["settings"][f"{name}_fraction"] > 0]
+                f"--sample-by paragraph)" for name in HELD_OUT if not splits[name]["documents"]
+                and settings[f"{name}_fraction"] > 0]
+    warnings += _budget_warnings(budget) + _eval_batch_warnings(splits, evaluation)
     warnings += [f"leftover {p} from an interrupted run: delete it" for p in leftover_staging_dirs(out)]
     undecodable = meta["source"].get("undecodable_bytes_by_file", {})
     if undecodable:
@@ -347,4 +408,54 @@ def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run) -> dict
             "seconds": round(seconds, 3), "tokenize_seconds": round(run.seconds, 3),
             "tokens_per_second": round(tokens / encode_seconds, 1),
             "documents_per_second": round(documents / encode_seconds, 1), **run.extra(),
-            "undecodable_bytes": sum(undecodable.values()), "warnings": warnings}
+            "undecodable_bytes": sum(undecodable.values()), "budget": budget, "warnings": warnings,
+            "notes": _held_out_notes(splits, settings, evaluation)}
+
+
+def _budget(settings: dict[str, Any], train_tokens: int) -> dict[str, Any] | None:
+    """What --max-tokens asked for and what train got: a corpus smaller than the budget is not an error (training
+    repeats the data), but the summary says so."""
+    asked = settings["max_tokens"]
+    if asked is None:
+        return None
+    return {"max_tokens": asked, "as_given": settings["max_tokens_as_given"], "train_tokens": train_tokens,
+            "reached": train_tokens >= asked, "share": round(train_tokens / asked, 6),
+            "repeats": round(asked / train_tokens, 3) if train_tokens else None}
+
+
+def _budget_warnings(budget: dict[str, Any] | None) -> list[str]:
+    if budget is None or budget["reached"]:
+        return []
+    asked, got = budget["max_tokens"], budget["train_tokens"]
+    repeats = f"a run to that budget repeats the data {asked / got:.1f} times" if got else "nothing is left to train on"
+    return [f"train has {got:,} tokens, {got / asked:.1%} of the {asked:,} asked for (--max-tokens "
+            f"{budget['as_given'] or asked}); {repeats}"]
+
+
+def _eval_batch_warnings(splits: dict[str, dict[str, Any]], evaluation: RunEval | None) -> list[str]:
+    """With --run: a held-out split (not empty: that has its own warning) too small for one of its evaluation
+    batches, which in-loop evaluation (val) and `nanopt eval` (test) need."""
+    if evaluation is None:
+        return []
+    return [f"split '{name}' has {tokens:,} tokens, fewer than one evaluation batch of {evaluation.run} needs "
+            f"({evaluation.describe_batch()}): raise --{name}-tokens or --{name}-fraction, give more documents, or "
+            "lower micro_batch_size or seq_len" for name in HELD_OUT
+            if 0 < (tokens := splits[name]["tokens"]) < evaluation.batch_tokens]
+
+
+def _held_out_notes(splits: dict[str, dict[str, Any]], settings: dict[str, Any],
+                    evaluation: RunEval | None) -> list[str]:
+    """A held-out split short of its target: the corpus is small. Without --run, also what evaluation batches it
+    can feed (one needs micro_batch_size x seq_len + 1 tokens)."""
+    notes = []
+    for name in HELD_OUT:
+        tokens, target = splits[name]["tokens"], settings[f"{name}_tokens"]
+        if not tokens or target is None or tokens >= target:
+            continue
+        note = (f"{name} has {tokens:,} tokens, short of its {target:,}-token target: the corpus is small, and {name} "
+                f"takes at most {settings[f'{name}_fraction']:.1%} of its documents (--{name}-fraction)")
+        if evaluation is None:
+            note += (f"; it feeds evaluation batches of up to {tokens - 1:,} tokens (micro_batch_size x seq_len; "
+                     "--run runs/NAME checks a run's)")
+        notes.append(note)
+    return notes

@@ -6,8 +6,9 @@ Recorded in meta.json; the same source and settings give the same shards (nanopt
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from nanopt.config import MAX_MODEL_DIMENSION
+from nanopt.config import MAX_MODEL_DIMENSION, TrainConfig, load_run
 from nanopt.data.sources import Source
 from nanopt.data.textcheck import DECODE_ERROR_POLICIES
 from nanopt.data.tokenizer import MIN_VOCAB_SIZE, check_vocab_size
@@ -15,12 +16,43 @@ from nanopt.errors import ConfigError
 from nanopt.parsing import INT64_MAX, check_option
 
 BUILTIN_VOCAB_SIZE = 1024  # see TokenizeSettings.vocab_size
-BUILTIN_HELD_OUT_FRACTION = 0.05  # ~2x the demo eval (65536 tokens) in val and test
-HELD_OUT_FRACTION = 0.005
+# Held out by default: documents whose hash falls below this share go to val (as many again to test) until the
+# split has its target of tokens. So at most 10% of a small corpus leaves train (the built-in corpus: ~170k tokens
+# each, as before), and a large one fills a 1,048,576-token target from about its first 20M tokens: val and test
+# then come from the start of the source, which a source sorted by topic or date should be shuffled for.
+HELD_OUT_FRACTION = 0.05
+# Without --run: what `nanopt eval` reads of test by default, and train.json's default eval_tokens.
+DEFAULT_HELD_OUT_TOKENS = TrainConfig.eval_tokens
 # Upper bounds of the options: far past what any corpus needs (batches are capped at 1 MiB of text anyway, and a
 # BPE trained on a TiB of text would need many TiB of memory). A value past one is a typo.
 MAX_BATCH_DOCUMENTS = 1 << 20
 MAX_SAMPLE_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunEval:
+    """What the run given with --run evaluates: its eval_tokens, and one evaluation batch on one rank
+    (micro_batch_size windows of seq_len + 1 tokens at stride seq_len, as nanopt.data.loader.eval_batches cuts)."""
+
+    run: str
+    eval_tokens: int
+    micro_batch_size: int
+    seq_len: int
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len + 1
+
+    def describe_batch(self) -> str:
+        return f"micro_batch_size {self.micro_batch_size} x seq_len {self.seq_len} + 1 = {self.batch_tokens:,}"
+
+
+def run_eval(run_dir: Path | str | None) -> RunEval | None:
+    """The evaluation settings of the run named by --run (ConfigError if it does not load), or None."""
+    if run_dir is None:
+        return None
+    run = load_run(run_dir)
+    return RunEval(str(run_dir), run.train.eval_tokens, run.train.micro_batch_size, run.seq_len)
 
 
 @dataclass
@@ -38,10 +70,17 @@ class TokenizeSettings:
     vocab_size: int | None = None
     eos_token: str | None = None  # for loaded tokenizers whose end-of-text token cannot be detected
     tokenizer_sample_bytes: int = 64 << 20  # train the BPE on the first this-many bytes of training documents
-    val_fraction: float | None = None  # None: 0.005 (0.05 for the small built-in corpus)
+    # Held out for val / test: documents whose hash falls below the fraction, in source order, until the split has
+    # the tokens; see nanopt.data.documents.SplitRule. Neither given: HELD_OUT_FRACTION and the run's eval_tokens
+    # (DEFAULT_HELD_OUT_TOKENS without --run). A fraction given alone: no token target, every such document.
+    val_fraction: float | None = None
     test_fraction: float | None = None
+    val_tokens: int | None = None
+    test_tokens: int | None = None
     shard_tokens: int = 100_000_000
     max_tokens: int | None = None  # stop once the train split has this many tokens
+    max_tokens_as_given: str | None = None  # --max-tokens as typed (e.g. "chinchilla"), to name it in messages
+    run: str | None = None  # a run directory: sets the default val / test tokens; its eval batch is checked
     batch_size: int = 256  # documents (or pieces of long ones) per encode call
     on_decode_error: str = "replace"  # bytes that are not UTF-8 in local files: "replace" (U+FFFD) or "refuse"
     force: bool = False
@@ -50,9 +89,11 @@ class TokenizeSettings:
         for name in ("val_fraction", "test_fraction"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
-                raise ConfigError(f"--{name.replace('_', '-')} {value} is outside [0, 1)", "e.g. 0.005")
-        if (self.val_fraction or 0.0) + (self.test_fraction or 0.0) >= 1.0:
-            raise ConfigError("--val-fraction plus --test-fraction leave nothing for training", "e.g. 0.005 each")
+                raise ConfigError(f"--{name.replace('_', '-')} {value} is outside [0, 1)", f"e.g. {HELD_OUT_FRACTION}")
+        _check_leaves_training(self.val_fraction or 0.0, self.test_fraction or 0.0)
+        for name in ("val_tokens", "test_tokens"):
+            check_option(f"--{name.replace('_', '-')}", getattr(self, name), 0, INT64_MAX,
+                         "e.g. 1M (it defaults to the --run's eval_tokens, else 1,048,576)")
         check_option("--shard-tokens", self.shard_tokens, 1, INT64_MAX, "e.g. 100M tokens per shard file")
         check_option("--max-tokens", self.max_tokens, 1, INT64_MAX, "e.g. 2.5B, or leave it out for the whole corpus")
         check_option("--batch-size", self.batch_size, 1, MAX_BATCH_DOCUMENTS, "e.g. 256 documents per encode call")
@@ -75,15 +116,33 @@ class TokenizeSettings:
             raise ConfigError("--eos-token applies to a loaded --tokenizer only",
                               "a trained tokenizer always ends documents with <|endoftext|>")
 
-    def resolved(self, source: Source) -> TokenizeSettings:
-        """These settings with the defaults that depend on the source filled in (as recorded in meta.json)."""
-        held_out = BUILTIN_HELD_OUT_FRACTION if source.kind == "builtin" else HELD_OUT_FRACTION
+    def resolved(self, source: Source, evaluation: RunEval | None = None) -> TokenizeSettings:
+        """These settings with the defaults that depend on the source and the run filled in (as meta.json records
+        them; a held-out split's tokens None there means no target)."""
         vocab = self.vocab_size
         if self.tokenizer is None and vocab is None:
             if source.kind != "builtin":
                 raise ConfigError("no tokenizer given", "pass --tokenizer NAME_OR_PATH (e.g. gpt2) or --vocab-size "
                                   "N to train a byte-level BPE on this corpus (e.g. 32768)")
             vocab = BUILTIN_VOCAB_SIZE
-        return replace(self, vocab_size=vocab,
-                       val_fraction=held_out if self.val_fraction is None else self.val_fraction,
-                       test_fraction=held_out if self.test_fraction is None else self.test_fraction)
+        target = evaluation.eval_tokens if evaluation else DEFAULT_HELD_OUT_TOKENS
+        val_fraction, val_tokens = _held_out(self.val_fraction, self.val_tokens, target)
+        test_fraction, test_tokens = _held_out(self.test_fraction, self.test_tokens, target)
+        _check_leaves_training(val_fraction, test_fraction)
+        return replace(self, vocab_size=vocab, val_fraction=val_fraction, val_tokens=val_tokens,
+                       test_fraction=test_fraction, test_tokens=test_tokens,
+                       run=None if self.run is None else str(self.run))  # a library caller's Path, as JSON
+
+
+def _held_out(fraction: float | None, tokens: int | None, default_tokens: int) -> tuple[float, int | None]:
+    """A held-out split's (fraction, token target). A fraction given alone keeps its old meaning: that share of
+    the documents, with no target."""
+    if fraction is not None and tokens is None:
+        return fraction, None
+    return (HELD_OUT_FRACTION if fraction is None else fraction), (default_tokens if tokens is None else tokens)
+
+
+def _check_leaves_training(val_fraction: float, test_fraction: float) -> None:
+    if val_fraction + test_fraction >= 1.0:
+        raise ConfigError(f"--val-fraction {val_fraction} plus --test-fraction {test_fraction} leave nothing for "
+                          "training", f"e.g. {HELD_OUT_FRACTION} each")

@@ -16,6 +16,7 @@ Parquet and hub datasets need no check: Arrow strings are UTF-8 by construction.
 from __future__ import annotations
 
 import glob
+import logging
 import platform
 import re
 import sysconfig
@@ -246,11 +247,36 @@ class HubSource:
 # ---------------------------------------------------------------------------------------------- `datasets` glue
 
 
+class _DatasetsLogHeld(logging.Handler):
+    """The `datasets` library's log records during a call, held back: dropped when the call fails (it logs what
+    went wrong, e.g. "Failed to load JSON from file ...", on stderr before raising, and the DataError raised for
+    it says the same in nanopt's one line), passed on to its own handlers when the call succeeds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger("datasets")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> None:
+        self.saved = self.logger.handlers, self.logger.propagate
+        self.logger.handlers, self.logger.propagate = [self], False
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        self.logger.handlers, self.logger.propagate = self.saved
+        if kind is None or issubclass(kind, StopIteration):  # the end of a stream is no failure
+            for record in self.records:
+                self.logger.callHandlers(record)
+
+
 def _load_stream(path: str, what: str, **kwargs: Any) -> Any:
     import datasets
 
     try:
-        return datasets.load_dataset(path, streaming=True, **kwargs)
+        with _DatasetsLogHeld():
+            return datasets.load_dataset(path, streaming=True, **kwargs)
     except Exception as exc:  # not-found, gated, offline, bad config: `datasets` raises many unrelated types
         raise DataError(f"could not open {what}: {type(exc).__name__}: {first_line(exc)}",
                         "check the name, --config and --split (and the internet connection for hub datasets)"
@@ -273,7 +299,8 @@ def _read_batches(stream: Any, spec: str) -> Iterator[dict[str, list]]:
     rows = iter(stream.iter(batch_size=_ITER_BATCH))
     while True:
         try:
-            batch = next(rows)
+            with _DatasetsLogHeld():
+                batch = next(rows)
         except StopIteration:
             return
         except Exception as exc:  # pyarrow, fsspec and HTTP errors have no common base class

@@ -1,9 +1,10 @@
 """Tokenizers: load one by Hugging Face name or local file, or train a byte-level BPE; find its end-of-text token.
 
 Every dataset stores the exact tokenizer it was made with (tokenizer.json, Hugging Face `tokenizers` format) and the
-id of the token that separates documents. A trained tokenizer always ends documents with "<|endoftext|>"; for a
-loaded one the end-of-text token is read from its special tokens (or tokenizer_config.json beside a local file),
-and `eos_token` names it when that is ambiguous.
+id of the token that separates documents. A trained tokenizer always ends documents with "<|endoftext|>". For a
+loaded one (find_eos): `eos_token` when given; a nanopt dataset's own (its meta.json), so a dataset made with another
+one's tokenizer matches it; else the special token that tokenizer_config.json beside a local file names, or the
+first of DOCUMENT_END_TOKENS the tokenizer has, never a chat end-of-turn token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError
 from nanopt.parsing import check_option
 
@@ -22,10 +24,25 @@ ENDOFTEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge
 MAX_VOCAB_SIZE = 2**32
 
-# End-of-document tokens of well-known tokenizer families, most specific first. "<|end_of_text|>" comes before
-# "<|eot_id|>" in Llama 3 because pretraining separates documents, not chat turns.
-KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>",
-                    "<|eot_id|>", "<|end|>")
+# The tokens that end a document in well-known tokenizer families, in the order they are preferred when a tokenizer
+# has several and its tokenizer_config.json names none of them. Only special tokens count: a vocabulary may hold
+# "</s>" as plain text (an HTML tag), which must not end documents.
+DOCUMENT_END_TOKENS = (
+    "<|endoftext|>",  # GPT-2, GPT-NeoX, StarCoder, Qwen, Phi, Falcon, OLMo; nanopt's trained BPE
+    "<|end_of_text|>",  # Llama 3
+    "</s>",  # Llama 2, Mistral, Code Llama, T5, BLOOM
+    "<eos>",  # Gemma
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek (full-width bars, a SentencePiece space)
+    "<EOT>",  # tokenizers that call their end of text so
+    "<|eos|>",
+    "[EOS]",
+    "<EOS>",
+)
+# Chat end-of-turn tokens, never taken for the end of a document, even when tokenizer_config.json names one (the
+# instruct variants of Llama 3 and Qwen do): pretraining separates documents, not turns of a conversation. Ending
+# every document with one would teach the model that any text is a finished chat reply, and leave the tokenizer's
+# own end-of-text token untrained. Given with --eos-token, one is used as asked.
+CHAT_END_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
 
 
 @dataclass
@@ -66,19 +83,23 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
         if not path.is_file():
             raise DataError(f"{name_or_path}: directory has no tokenizer.json",
                             "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
+    extra: dict[str, Any] = {}
     if path.is_file():
         tokenizer = _from_file(path)
+        dataset_eos = _eos_of_dataset(path.parent, tokenizer)
+        if dataset_eos is not None:
+            extra["dataset"] = str(path.parent)
         config_eos = _eos_from_tokenizer_config(path.parent / "tokenizer_config.json")
         source = str(path)
     elif name_or_path.endswith(".json"):
         raise DataError(f"{name_or_path}: tokenizer file not found", "check the path")
     else:
         tokenizer = _from_hub(name_or_path)
-        config_eos = None
+        dataset_eos = config_eos = None
         source = name_or_path
     _disable_padding_and_truncation(tokenizer)
-    eos, eos_id = find_eos(tokenizer, source, requested=eos_token, suggested=config_eos)
-    return NamedTokenizer(tokenizer, source, eos, eos_id)
+    eos, eos_id = find_eos(tokenizer, source, requested=eos_token or dataset_eos, suggested=config_eos)
+    return NamedTokenizer(tokenizer, source, eos, eos_id, extra)
 
 
 def _from_file(path: Path) -> Any:
@@ -108,6 +129,22 @@ def _disable_padding_and_truncation(tokenizer: Any) -> None:
     tokenizer.no_truncation()
 
 
+def _eos_of_dataset(directory: Path, tokenizer: Any) -> str | None:
+    """The end-of-text token a nanopt dataset's meta.json records, when `directory` is one: a dataset made with its
+    tokenizer then separates documents with the same token, whatever the detection below would pick."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("eos_token"), str):
+        return None
+    if tokenizer.token_to_id(meta["eos_token"]) is None:
+        raise DataError(f"{directory / 'meta.json'}: eos_token {meta['eos_token']!r} is not in the dataset's "
+                        "tokenizer.json", "the dataset is damaged: re-create it, or pass its tokenizer's own "
+                        "source with --tokenizer")
+    return meta["eos_token"]
+
+
 def _eos_from_tokenizer_config(path: Path) -> str | None:
     """The eos_token of a transformers tokenizer_config.json beside the tokenizer, if there is one."""
     try:
@@ -121,7 +158,9 @@ def _eos_from_tokenizer_config(path: Path) -> str | None:
 
 def find_eos(tokenizer: Any, source: str, requested: str | None = None,
              suggested: str | None = None) -> tuple[str, int]:
-    """The end-of-text token and its id: `requested` if given, else `suggested`, else a known special token."""
+    """The end-of-text token and its id: `requested` if given (any token of the vocabulary), else the special token
+    `suggested` (tokenizer_config.json's eos_token) unless it ends chat turns, else the first special token of
+    DOCUMENT_END_TOKENS."""
     if requested is not None:
         token_id = tokenizer.token_to_id(requested)
         if token_id is None:
@@ -129,13 +168,15 @@ def find_eos(tokenizer: Any, source: str, requested: str | None = None,
                             f"special tokens it has: {_special_tokens(tokenizer)[:12]}")
         return requested, token_id
     specials = _special_tokens(tokenizer)
-    candidates = ([suggested] if suggested else []) + list(KNOWN_EOS_TOKENS)
-    for token in candidates:
+    preferred = [suggested] if suggested and suggested not in CHAT_END_TOKENS else []
+    for token in preferred + list(DOCUMENT_END_TOKENS):
         if token in specials:
             return token, tokenizer.token_to_id(token)
+    chat = [token for token in CHAT_END_TOKENS if token in specials]
+    why = f"; {chat[0]} ends a chat turn, not a document" if chat else ""
     raise DataError(f"cannot tell which token ends a document in tokenizer {source} "
-                    f"(special tokens: {specials[:12] or 'none'})",
-                    "name it with --eos-token TOKEN, e.g. --eos-token '</s>'")
+                    f"(special tokens: {specials[:12] or 'none'}){why}",
+                    f"name it with --eos-token TOKEN, e.g. --eos-token '{chat[0] if chat else '</s>'}'")
 
 
 def _special_tokens(tokenizer: Any) -> list[str]:
