@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nanopt.errors import ConfigError
-from nanopt.parsing import from_dict, path_kind, read_json, show_value
+from nanopt.parsing import from_dict, parse_token_count, path_kind, read_json, show_value
 from nanopt.rundir import RunDir
 
 Architecture = Literal["llama", "gpt2"]
@@ -29,6 +29,11 @@ CompileMode = bool | Literal["auto"]
 # largest of each in today's models, and small enough that every size derived from them stays exact. A value past it
 # is a typo, whose model would ask for petabytes at the first allocation.
 MAX_MODEL_DIMENSION = 2**24
+
+# train.json keys that count tokens: also written as people write counts ("2.5B", "500M", "20e9"), as --max-tokens is.
+TOKEN_COUNT_KEYS = ("train_tokens", "eval_tokens", "global_batch_tokens")
+# The budget is one or the other.
+BUDGET_KEYS = ("train_tokens", "max_steps")
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,8 @@ class TrainConfig:
                                            "weight_decay", "seed"))
         if (self.train_tokens is None) == (self.max_steps is None):
             raise ConfigError(f"{source}: give exactly one of 'train_tokens' and 'max_steps'",
-                              "e.g. \"train_tokens\": 2480000000 (the Chinchilla budget: `nanopt estimate`)")
+                              "e.g. \"train_tokens\": \"2.48B\" (the Chinchilla budget: `nanopt estimate`); "
+                              "--set train_tokens=N alone replaces train.json's max_steps, and the reverse")
         for key in ("train_tokens", "max_steps"):
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -303,9 +309,9 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
     source = str(train_path)
     if overrides:
         if isinstance(raw, dict):
-            raw = {**raw, **_from_command_line(overrides)}
+            raw = {**_left_standing(raw, overrides), **_from_command_line(overrides)}
         source = f"{train_path} (with --set {', '.join(overrides)})"
-    train = from_dict(TrainConfig, raw, source)
+    train = from_dict(TrainConfig, _read_token_counts(raw, source), source)
     train.validate(model, source)
     return RunConfig(run_dir=run_dir, model=model, train=train)
 
@@ -317,6 +323,27 @@ def _from_command_line(overrides: dict[str, Any]) -> dict[str, Any]:
     if isinstance(data, str) and data.strip() and "\0" not in data:
         return {**overrides, "data": os.path.abspath(data)}
     return overrides
+
+
+def _left_standing(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """train.json's values that `--set` leaves standing. Setting one budget key (train_tokens or max_steps) from the
+    command line replaces the file's other one too, as a run has one budget: `--set train_tokens=5M` on a run with
+    max_steps just works. Naming both on the command line (`--set max_steps=50 --set train_tokens=null`) decides
+    both."""
+    given = [key for key in BUDGET_KEYS if overrides.get(key) is not None]
+    if len(given) != 1:
+        return raw
+    other = next(key for key in BUDGET_KEYS if key != given[0])
+    return raw if other in overrides else {key: value for key, value in raw.items() if key != other}
+
+
+def _read_token_counts(raw: Any, source: str) -> Any:
+    """The token-count keys given as text ("2.5B") as the integers they mean; an unreadable one is a ConfigError
+    naming the file and the key. Anything else is from_dict's to check."""
+    if not isinstance(raw, dict):
+        return raw
+    return {key: parse_token_count(value, f"{source}: key '{key}':")
+            if key in TOKEN_COUNT_KEYS and isinstance(value, str) else value for key, value in raw.items()}
 
 
 def model_config_from_snapshot(data: dict[str, Any]) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Accelerators nanopt knows: dense peak throughput, memory and a typical on-demand price.
+"""Accelerators nanopt knows: dense peak throughput, memory and a typical on-demand price; and this machine's CPU
+(its peak worked out from cores, clock and vector units, its memory) for `nanopt estimate --gpu cpu`.
 
 Peaks are the vendors' dense (non-sparse) tensor-core figures with fp32 accumulation, per GPU. MFU is always
 computed against the peak of the dtype the run uses; sparsity figures are never used. Prices are typical
@@ -7,7 +8,9 @@ on-demand cloud rates in late 2026 and only a default: pass --price-per-hour for
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from nanopt.errors import ConfigError
 
@@ -93,8 +96,8 @@ def resolve_gpu(key: str) -> tuple[GPU, str | None]:
             gpu = GPUS[name]
             return gpu, f"{key} -> {gpu.name}" + (f"; {others}" if others else "")
     raise ConfigError(f"--gpu: unknown GPU '{key}'",
-                      f"known: {', '.join(GPUS)} (or short names: {', '.join(ALIASES)}); or pass --peak-tflops "
-                      "and --gpu-memory for another accelerator")
+                      f"known: {', '.join(GPUS)} (or short names: {', '.join(ALIASES)}), or {CPU} for this "
+                      "machine's processor; --peak-tflops and --gpu-memory describe another accelerator")
 
 
 def _squash(key: str) -> str:
@@ -135,3 +138,74 @@ def parse_size(text: str, option: str = "--gpu-memory") -> int:
         raise ConfigError(f"{option}: size {text[:40]!r} is outside 1 byte to 1 EiB",
                           "write it like 40GiB, 80GB or 512MiB")
     return int(size)
+
+
+# ------------------------------------------------------------------------------------------------ this machine
+
+CPU = "cpu"  # `nanopt estimate --gpu cpu`: training on this machine's processor, in its memory
+
+# Dense fp32 FLOPs per cycle of one core, by the vector instructions /proc/cpuinfo lists: two fused multiply-add units
+# (2 FLOPs per lane) of 256 bits on x86 with AVX2 (AVX-512 cores may reach twice that; not assumed), of 128 bits on
+# Arm (Apple's and Graviton 3's cores have four). fp32, as training on a CPU runs (`auto` precision).
+CPU_FLOPS_PER_CYCLE = (("avx2 fma", 32, "two 256-bit FMA units (AVX2)"), ("asimd", 16, "two 128-bit FMA units (NEON)"))
+
+
+def is_cpu(key: str) -> bool:
+    return _squash(key) == CPU
+
+
+@dataclass(frozen=True)
+class CPUPeak:
+    cores: int
+    ghz: float
+    flops_per_cycle: int
+    units: str
+
+    @property
+    def flops(self) -> float:
+        return self.cores * self.ghz * 1e9 * self.flops_per_cycle
+
+    def describe(self) -> str:
+        return (f"{self.cores} cores x {self.ghz:.2f} GHz x {self.flops_per_cycle} fp32 FLOP/cycle ({self.units}), "
+                "from /proc/cpuinfo")
+
+
+def cpu_peak(cpuinfo: Path = Path("/proc/cpuinfo")) -> CPUPeak | None:
+    """This machine's dense fp32 peak, worked out from its cores, clock and vector units; None where /proc/cpuinfo
+    does not say (not Linux, an unknown instruction set): --peak-tflops then gives it."""
+    import psutil
+
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    features = set((fields.get("flags") or fields.get("features") or "").split())
+    match = next((entry for entry in CPU_FLOPS_PER_CYCLE if set(entry[0].split()) <= features), None)
+    frequency = psutil.cpu_freq()
+    mhz = (frequency.max or frequency.current) if frequency else float(fields.get("cpu mhz") or 0)
+    if match is None or not mhz:
+        return None
+    # Physical cores (two hardware threads share one core's units), no more than this process may run on.
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    return CPUPeak(cores=cores, ghz=mhz / 1000, flops_per_cycle=match[1], units=match[2])
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory, or the container's memory limit (cgroup v2 or v1) where that is lower."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    for limit in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 writes "max" for no limit
+            total = min(total, int(text))
+    return total

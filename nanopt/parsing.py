@@ -2,7 +2,8 @@
 
 The config dataclasses (nanopt.config) and the option classes of every command build on these: `from_dict` checks
 keys and types strictly, `read_json` / `parse_json_text` turn every way JSON can be refused into one ConfigError,
-`check_option` is the one range check of a numeric option, `save_json` writes atomically.
+`check_option` is the one range check of a numeric option, `parse_token_count` reads counts such as 2.5B
+(options and train.json alike), `save_json` writes atomically.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import dataclasses
 import difflib
 import json
 import math
+import os
+import re
+import stat
 import types
 import typing
 from dataclasses import fields
+from decimal import Decimal, DecimalException
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -160,6 +165,40 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+TOKEN_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_TOKEN_COUNT = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
+TOKEN_COUNT_HINT = "write e.g. 500M, 2.5B, 20e9 or 1000000"
+
+
+def parse_token_count(text: str, option: str, hint: str = TOKEN_COUNT_HINT) -> int:
+    """A token count as people write it (`3.3B`, `20e9`, `500M`, `1_000_000`) as an exact positive integer: decimal
+    arithmetic, so `3.3B` is 3300000000, not 3299999999. `option` names where it was written in the one-line error
+    (`--max-tokens`, or `train.json: key 'train_tokens':`)."""
+    match = _TOKEN_COUNT.match(text)
+    if not match:
+        raise ConfigError(f"{option} {_shown(text)} is not a token count", hint)
+    digits, suffix = match.group(1).replace("_", "").replace(",", ""), match.group(2).upper()
+    try:
+        value = Decimal(digits) * TOKEN_COUNT_SUFFIXES[suffix]
+        whole = value == value.to_integral_value()
+    except DecimalException:  # an exponent past what decimal arithmetic holds (1e999999999)
+        raise ConfigError(f"{option} {_shown(text)} is not a token count", hint) from None
+    if not whole:
+        raise ConfigError(f"{option} {_shown(text)} is not a whole number of tokens", hint)
+    if value <= 0:
+        raise ConfigError(f"{option} {_shown(text)} must be positive", hint)
+    # Token counts are int64 in numpy and torch; a count past that is a typo (1e30), and int() of 1e5000 would be
+    # a number too long to print.
+    if value > INT64_MAX:
+        raise ConfigError(f"{option} {_shown(text)} is more than 2**63 - 1 tokens", hint)
+    return int(value)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """The text as typed, shortened if long (9 repeated 5,000 times), for a one-line message."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def check_option(option: str, value: float | None, low: float, high: float, hint: str, *,
                  above_low: bool = False) -> None:
     """ConfigError unless `value` (None: not given) is a finite number in [low, high], or (low, high] with
@@ -179,9 +218,15 @@ def _number(x: float) -> str:
 
 
 def save_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically: a temporary file renamed into place, so a reader never sees half a file."""
+    """Write JSON atomically: a temporary file renamed into place, so a reader never sees half a file.
+
+    The file ends with the permissions a plain open() would leave: a new one gets 0666 minus the umask, and one that
+    is replaced keeps its own (a train.json `find-batch --write` rewrites stays as shared or private as it was)."""
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover would lend the new file its permissions
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    if path.is_file():
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
     tmp.replace(path)
 
 

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from trainhelp import make_run
 
 from nanopt.cli.app import app
-from nanopt.config import ModelConfig, TrainConfig
+from nanopt.config import TOKEN_COUNT_KEYS, ModelConfig, TrainConfig
 
 INT64_MAX = 2**63 - 1
 GUARD_S = 60  # only against a command that slipped past validation into real work; no assertion is about time
@@ -88,8 +88,8 @@ class Cases:
         return path
 
     def new_run(self, **train: Any) -> Path:
-        # A budget far beyond the dataset: a bad value that slipped past validation into `train` stops at the data
-        # budget check (naming no key, so the case still fails) instead of training.
+        # A budget of many epochs: a bad value that slipped past validation into `train` trains until the case's
+        # alarm stops it, and the case fails (no one-line error naming the key).
         return make_run(self.new_dir(), self.dataset, "run", model=TINY_MODEL,
                         **{"max_steps": 1_000_000, "global_batch_tokens": 64, "micro_batch_size": 2, **train})
 
@@ -169,6 +169,8 @@ def could_be_valid(value: Any, annotation: Any, key: str) -> bool:
 
     It only has to be generous: anything it lets through is left out of the test, never expected to fail.
     """
+    if key in TOKEN_COUNT_KEYS and isinstance(value, str):
+        return True  # "2.5B": a token count as people write it (tests/test_readable.py)
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
         return any(could_be_valid(value, option, key) for option in typing.get_args(annotation))
@@ -254,7 +256,7 @@ def test_the_oracle_knows_every_config_key():
 # Options whose value is a number written as text (sizes like 40GiB, token counts like 2.5B): Typer types them as
 # str, so they are named here; the test below fails if one is renamed away.
 SIZE_OPTIONS = {"--gpu-memory", "--max-memory"}
-TOKEN_COUNT_OPTIONS = {"--max-tokens", "--shard-tokens", "--tokens"}
+TOKEN_COUNT_OPTIONS = {"--max-tokens", "--shard-tokens", "--tokens", "--val-tokens", "--test-tokens"}
 # Options where 0 is legitimate (every other numeric option needs a positive value).
 ZERO_OK_OPTIONS = {"--wait", "--warmup", "--top-k", "--temperature", "--seed", "--margin", "--price-per-hour",
                    "--node-rank", "--val-fraction", "--test-fraction"}

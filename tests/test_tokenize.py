@@ -147,13 +147,13 @@ def test_max_tokens_stops_exactly_at_the_train_budget(tiny_dataset: Path, tiny_c
                                             ("500M", 500_000_000), ("2.5k", 2_500), ("1_000_000", 1_000_000),
                                             ("123456", 123_456), ("1.5T", 1_500_000_000_000), (" 7 m ", 7_000_000)])
 def test_token_counts_parse_exactly(text: str, expected: int):
-    assert parse_token_count(text) == expected
+    assert parse_token_count(text, "--max-tokens") == expected
 
 
 @pytest.mark.parametrize("text", ["1.5", "0", "-5", "abc", "1e-3", "2.5X", "", "5 B tokens"])
 def test_bad_token_counts_are_config_errors(text: str):
     with pytest.raises(ConfigError, match="--max-tokens"):
-        parse_token_count(text)
+        parse_token_count(text, "--max-tokens")
 
 
 def test_chinchilla_budget_needs_a_run_and_is_20_tokens_per_parameter(tmp_path: Path):

@@ -7,9 +7,13 @@ renders the result. Torch and other heavy libraries are imported inside the comm
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SET_HELP = "Override a train.json value for this invocation only, e.g. --set learning_rate=3e-4 (repeatable)."
+SET_HELP = ("Override a train.json value for this invocation only, e.g. --set learning_rate=3e-4 (repeatable). "
+            "Setting train_tokens replaces train.json's max_steps, and the reverse: the budget is one or the other.")
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("nanopt")
+        except PackageNotFoundError:  # imported from a source tree that was never installed
+            text = "unknown (not installed: run `make install`)"
+        sys.stdout.write(f"nanopt {text}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                          help="Print nanopt's version and exit.")) -> None:
+    """Options of `nanopt` itself, before the command (the app's help text above describes it)."""
 
 
 def console(stderr: bool = False) -> Console:
@@ -60,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Not standalone: Typer returns the exit code of --help and typer.Exit, and raises its usage errors here,
         # where they become one line like every other mistake instead of a usage block and a panel.
-        code = app(args=argv, prog_name="nanopt", standalone_mode=False)
+        with quiet_libraries():
+            code = app(args=argv, prog_name="nanopt", standalone_mode=False)
     except SystemExit as exc:  # sys.exit in a command (the torchrun launcher)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -76,6 +100,41 @@ def main(argv: list[str] | None = None) -> None:
         Console(stderr=True).print("interrupted")
         _leave(130)
     _leave(code if isinstance(code, int) else 0)
+
+
+# What the libraries under nanopt print of their own accord: the Hugging Face hub's retry warnings, `datasets`' logged
+# read errors, transformers' notices, the torch profiler's (kineto) `USDT: profiler_start` lines, torch.distributed's
+# C++ socket warnings. nanopt says what went wrong in its own one line; theirs would only come before it. Each is set
+# through the variable the library itself reads when it starts (every library nanopt uses is imported inside a
+# command, after this), and a variable the person set is left as it is: that is how to see a library's log again.
+QUIET_LIBRARY_ENV = {"HF_HUB_VERBOSITY": "critical", "DATASETS_VERBOSITY": "critical",
+                     "TRANSFORMERS_VERBOSITY": "critical", "KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# The Python loggers behind the first three, for a library that was imported before (a test, an embedding program).
+QUIET_LOGGERS = {"HF_HUB_VERBOSITY": "huggingface_hub", "DATASETS_VERBOSITY": "datasets",
+                 "TRANSFORMERS_VERBOSITY": "transformers"}
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """For one nanopt command: the libraries' own log lines and Python warnings off, unless the person asked for them
+    (the variables above, or -W / PYTHONWARNINGS for warnings); everything as it was afterwards. The environment
+    reaches the torchrun workers and trial processes a command starts."""
+    chosen = {name: value for name, value in QUIET_LIBRARY_ENV.items() if name not in os.environ}
+    loggers = {logging.getLogger(QUIET_LOGGERS[name]): logging.getLogger(QUIET_LOGGERS[name]).level
+               for name in chosen if name in QUIET_LOGGERS}
+    os.environ.update(chosen)
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            if not sys.warnoptions:  # torch's and the others' warnings are for their developers, not nanopt's users
+                warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name in chosen:
+            os.environ.pop(name, None)
+        for logger, level in loggers.items():
+            logger.setLevel(level)
 
 
 def _report(exc: NanoptError) -> None:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-from nanopt.hardware import ALIASES, DEFAULT_GPU, GPUS
+from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 
 EPILOG = """
 Examples:
@@ -27,6 +27,13 @@ Examples:
   nanopt estimate runs/gpt2-small --gpu-memory 40GiB --json
 
   nanopt estimate runs/gpt2-small --gpu l40s --hours 12   # short names work too: --gpu h100, a100, 4090
+
+  nanopt estimate runs/demo --gpu cpu                      # this machine: its cores' peak, its memory
+
+  nanopt estimate runs/llama-3.2-1b --gpu rtx-4090        # too big? says what fits: FSDP on N GPUs, checkpointing
+
+The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
+micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
 """
 
 
@@ -39,21 +46,28 @@ def estimate_command(
                                                                  "Chinchilla-optimal)."),
     gpu: str = typer.Option(DEFAULT_GPU, "--gpu", help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
                                                        f"({', '.join(ALIASES)}), with a note saying which card "
-                                                       "it means."),
+                                                       f"it means; or {CPU}: this machine's processor (peak from "
+                                                       "its cores, clock and vector units) and memory, no price "
+                                                       "unless --price-per-hour."),
     num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size)."),
-    mfu: float = typer.Option(0.40, "--mfu", help="Model FLOPs utilization to assume (0-1)."),
+    mfu: float = typer.Option(0.40, "--mfu", help="Model FLOPs utilization to assume, as a fraction of the peak: "
+                                                  "0.4 means 40% (0 < MFU <= 1; a percentage such as 40 is "
+                                                  "refused)."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour (default: "
-                                                                                  "the table's typical price)."),
+                                                                                  "the table's typical price; none "
+                                                                                  "for --gpu cpu)."),
     peak_tflops: float | None = typer.Option(None, "--peak-tflops", help="Dense peak TFLOP/s per GPU, "
                                                                             "overriding the table."),
-    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Usable GPU memory, e.g. 40GiB."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Usable GPU memory, e.g. 40GiB (with --gpu "
+                                                                     "cpu: the memory training may use)."),
     hours: float | None = typer.Option(None, "--hours", help="Inverse question: tokens that fit in H hours."),
     chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", help="Chinchilla tokens per parameter."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
-    """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU."""
-    from nanopt.hardware import parse_size, resolve_gpu
+    """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU, and
+    whether it fits."""
+    from nanopt.hardware import parse_size
     from nanopt.plan.estimate import EstimateOptions, estimate
 
     run = load_run_config(run_dir, sets) if run_dir is not None else None
@@ -62,9 +76,8 @@ def estimate_command(
         gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
         tokens_per_param=chinchilla_ratio, params=params, tokens=tokens)
     report = estimate(run, opts)
-    _, alias_note = resolve_gpu(gpu)
-    if alias_note:  # on stderr, so that --json stdout stays one JSON object
-        console(stderr=True).print(escape(f"note: {alias_note}"), soft_wrap=True)
+    if report["gpu"]["note"]:  # on stderr, so that --json stdout stays one JSON object
+        console(stderr=True).print(escape(f"note: {report['gpu']['note']}"), soft_wrap=True)
     if as_json:
         print_json(report)
     else:
@@ -74,7 +87,8 @@ def estimate_command(
 def render(r: dict[str, Any]) -> None:
     out = console()
     g = r["gpu"]
-    title = f"nanopt estimate: {r['run'] or 'params only'} on {g['num_gpus']} x {g['name']}"
+    on = g["name"] if g["key"] == CPU else f"{g['num_gpus']} x {g['name']}"
+    title = f"nanopt estimate: {r['run'] or 'params only'} on {on}"
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
@@ -89,10 +103,11 @@ def render(r: dict[str, Any]) -> None:
         ("optimizer steps", fmt.exact(r["optimizer_steps"])),
         ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
         ("total training FLOPs", fmt.sci(r["total_flops"])),
-        ("peak per GPU", f"{g['peak_tflops']:.1f} TFLOP/s ({g['peak_source']}), assumed MFU {fmt.percent(g['mfu'])}"),
+        ("peak" if g["key"] == CPU else "peak per GPU", f"{_tflops(g['peak_tflops'])} ({g['peak_source']}), "
+                                                         f"assumed MFU {fmt.percent(g['mfu'])}"),
         ("throughput", f"{fmt.count(r['tokens_per_second'])} tokens/s"),
         ("wall-clock time", fmt.duration(r["train_seconds"])),
-        ("cost", f"{fmt.money(r['cost_usd'])} at ${g['usd_per_hour']:.2f} / GPU-hour"),
+        ("cost", _cost(r["cost_usd"], g["usd_per_hour"], "hour" if g["key"] == CPU else "GPU-hour")),
     ]
     if r["hours"]:
         h = r["hours"]
@@ -103,14 +118,35 @@ def render(r: dict[str, Any]) -> None:
         table.add_row(label, value)
     out.print(table)
     out.print(_memory_table(r))
+    _print_verdict(r["fit"])
+
+
+def _tflops(tflops: float) -> str:
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1000:.1f} GFLOP/s"
+
+
+def _cost(usd: float | None, usd_per_hour: float | None, unit: str) -> str:
+    if usd_per_hour is None:
+        return "- (your own machine: --price-per-hour prices it)"
+    return f"{fmt.money(usd)} at ${usd_per_hour:.2f} / {unit}"
+
+
+def _print_verdict(fit: dict[str, Any]) -> None:
+    out = console()
+    colour = "green" if fit["fits"] else "red"
+    out.print(f"[bold {colour}]memory:[/] {escape(fit['verdict'])}")
+    for remedy in fit["remedies"]:
+        out.print(f"  - {escape(remedy['text'])}")
 
 
 def _memory_table(r: dict[str, Any]) -> Table:
     m = r["memory_bytes"]
     a = r["memory_assumptions"]
-    title = "memory per GPU" + (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation "
-                                f"checkpointing {'on' if a['activation_checkpointing'] else 'off'}, "
-                                f"{a['parallelism']} x {a['world_size']})" if a else "")
+    on_cpu = r["gpu"]["key"] == CPU
+    settings = (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation checkpointing "
+                f"{'on' if a['activation_checkpointing'] else 'off'}, {a['parallelism']} x {a['world_size']})"
+                if a else "")
+    title = ("memory" if on_cpu else "memory per GPU") + settings
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("", justify="right")
@@ -118,10 +154,11 @@ def _memory_table(r: dict[str, Any]) -> Table:
     table.add_row("gradients (fp32)", fmt.size(m["gradients"]))
     table.add_row("optimizer (AdamW moments)", fmt.size(m["optimizer"]))
     table.add_row("activations per sequence", fmt.size(m["activations_per_sequence"]))
-    table.add_row("runtime overhead (CUDA context, workspaces)", fmt.size(m["runtime_overhead"]))
+    table.add_row("runtime overhead (Python, torch)" if on_cpu else "runtime overhead (CUDA context, workspaces)",
+                  fmt.size(m["runtime_overhead"]))
     if a:
         table.add_row(f"total at micro-batch {a['micro_batch_size']}", fmt.size(m["total"]))
-    table.add_row("GPU memory", fmt.size(r["gpu_memory_bytes"]))
+    table.add_row("RAM" if on_cpu else "GPU memory", fmt.size(r["gpu_memory_bytes"]))
     table.add_row("predicted largest micro-batch", str(r["max_micro_batch"] if r["max_micro_batch"] is not None
                                                         else "-"))
     return table

@@ -47,7 +47,7 @@ def find_batch_command(
                                           "process may reach, Python and torch included, e.g. 4GiB."),
     timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one trial may take before it counts as "
                                                             "failed."),
-    write: bool = typer.Option(False, "--write", help="Set train.json's micro_batch_size to the result (see "
+    write: bool = typer.Option(False, "--write/--no-write", help="Set train.json's micro_batch_size to the result (see "
                                                       "--pick); other keys are kept as they are."),
     pick: str = typer.Option("best", "--pick", help="What --write writes: best (the fastest size that fits) or "
                                                     "max (the largest that fits); either with an exact "
@@ -55,7 +55,7 @@ def find_batch_command(
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun "
                                                                    "and the ranks agree on every trial."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Find the largest and the fastest micro-batch that fit, with real forward, backward and optimizer steps
     at exactly the run's settings; each trial in a fresh process, the memory model's error reported."""

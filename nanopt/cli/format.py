@@ -1,6 +1,11 @@
-"""Human formatting of numbers for rich tables: 124.4M, 2.48B tokens, 3.1e20 FLOPs, 12.3 GiB, 4h 05m."""
+"""Human formatting for rich output: numbers (124.4M, 2.48B tokens, 3.1e20 FLOPs, 12.3 GiB, 4h 05m) and tables that
+fit the width they are shown in."""
 
 from __future__ import annotations
+
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
+from rich.table import Table
 
 
 def count(n: float | None) -> str:
@@ -48,3 +53,61 @@ def money(usd: float | None) -> str:
 
 def percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+# ------------------------------------------------------------------------------------- tables that fit the width
+
+
+def fits(out: Console, renderable: RenderableType) -> bool:
+    """Whether `renderable` shows at its natural width, nothing wrapped or cut short, in `out`'s width (a terminal's
+    own, COLUMNS, or 80 columns when the output is a pipe or a file)."""
+    # Measured as if there were room (a measurement is otherwise capped at the width it is asked about).
+    unbounded = out.options.update_width(1 << 20)
+    return Measurement.get(out, unbounded, renderable).maximum <= out.width
+
+
+def print_records(out: Console, title: str, headers: list[str], records: list[list[str]], *, keys: int = 1,
+                  left: frozenset[str] = frozenset()) -> None:
+    """Rows of cells (rich markup) under `title`, every cell whole: one table when it fits the width; else the
+    columns, in order, over as few tables as fit, each repeating the first `keys` columns so rows can be matched;
+    else, in a width too narrow for any table, one block of `header  value` lines per row."""
+    groups = _column_groups(out, headers, records, keys, left)
+    if groups is None:
+        _print_blocks(out, title, headers, records, keys)
+        return
+    for number, group in enumerate(groups):
+        out.print(_table(title if number == 0 else None, headers, records, [*range(keys), *group], left))
+
+
+def _column_groups(out: Console, headers: list[str], records: list[list[str]], keys: int,
+                   left: frozenset[str]) -> list[list[int]] | None:
+    """The columns after the keys packed greedily, in order, into tables that fit; None if one column alone does
+    not fit beside the keys."""
+    groups: list[list[int]] = [[]]
+    for column in range(keys, len(headers)):
+        if fits(out, _table(None, headers, records, [*range(keys), *groups[-1], column], left)):
+            groups[-1].append(column)
+        elif groups[-1] and fits(out, _table(None, headers, records, [*range(keys), column], left)):
+            groups.append([column])
+        else:
+            return None
+    return groups
+
+
+def _table(title: str | None, headers: list[str], records: list[list[str]], columns: list[int],
+           left: frozenset[str]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(headers[column], justify="left" if headers[column] in left else "right", no_wrap=True)
+    for record in records:
+        table.add_row(*(record[column] for column in columns))
+    return table
+
+
+def _print_blocks(out: Console, title: str, headers: list[str], records: list[list[str]], keys: int) -> None:
+    out.print(title)
+    width = max(len(header) for header in headers[keys:])
+    for record in records:
+        out.print("  ".join(record[:keys + 1]))  # e.g. the rank and the run's name
+        for header, cell in zip(headers[keys + 1:], record[keys + 1:], strict=True):
+            out.print(f"    {header:<{width}}  {cell}")

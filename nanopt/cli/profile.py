@@ -38,8 +38,8 @@ def profile_command(
     steps: int = typer.Option(3, "--steps", help="Steps recorded and summarized (the profiler's 'active')."),
     wait: int = typer.Option(1, "--wait", help="Steps run first, unprofiled (optimizer state, compilation)."),
     warmup: int = typer.Option(2, "--warmup", help="Steps profiled then discarded (profiler start-up)."),
-    record_shapes: bool = typer.Option(False, "--record-shapes", help="Record operator input shapes (a larger "
-                                                                      "trace, more overhead)."),
+    record_shapes: bool = typer.Option(False, "--record-shapes/--no-record-shapes", help="Record operator input "
+                                       "shapes (a larger trace, more overhead)."),
     top: int = typer.Option(15, "--top", help="Operators / kernels to list."),
     out: Path | None = typer.Option(None, "--out", help="Directory for the traces and summary.json (default: "
                                                         "RUN_DIR/profile)."),
@@ -47,7 +47,7 @@ def profile_command(
                                      "OUT/tensorboard/ for TensorBoard's profiler plugin."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the summary as JSON instead of tables."),
 ) -> None:
     """Profile the real training step: a Chrome / Perfetto trace, and a summary of busy vs idle time, the top
     operations by category, host overhead, data-loader wait, peak memory, tokens/s, MFU and compile graph breaks."""

@@ -75,7 +75,7 @@ def tokenize_command(
                                                             "rounded up to the run's whole global batches, plus 1: "
                                                             "what train reads), its eval_tokens the default "
                                                             "--val-tokens / --test-tokens, and val and test are "
-                                                            "checked against one of its evaluation batches."),
+                                                            "checked against one of its evaluation windows."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
     batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
                                                              "each call is encoded on all cores."),
@@ -84,8 +84,8 @@ def tokenize_command(
                                                                              "files: replace (with U+FFFD, counted "
                                                                              "in meta.json) or refuse (stop at the "
                                                                              "first, naming file and offset)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing dataset at --out."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the summary as one JSON object."),
 ) -> None:
     """Tokenize a corpus into train / val / test shards of token ids, with the tokenizer and a meta.json."""
     from nanopt.data.budget import parse_token_count, resolve_max_tokens

@@ -3,44 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import re
-from decimal import Decimal, DecimalException
 from pathlib import Path
 
 from nanopt.config import RunConfig, load_run
 from nanopt.errors import ConfigError
-from nanopt.parsing import INT64_MAX
+from nanopt.parsing import TOKEN_COUNT_HINT, parse_token_count  # re-exported: tokenize and eval read counts here
 
-SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_NUMBER = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
-_HINT = "write e.g. 500M, 2.5B, 20e9, 1000000, or chinchilla (with --run runs/NAME)"
-
-
-def parse_token_count(text: str, option: str = "--max-tokens") -> int:
-    """An exact positive integer: decimal arithmetic, so `3.3B` is 3300000000, not 3299999999."""
-    match = _NUMBER.match(text)
-    if not match:
-        raise ConfigError(f"{option} {_shown(text)} is not a token count", _HINT)
-    digits, suffix = match.group(1).replace("_", "").replace(",", ""), match.group(2).upper()
-    try:
-        value = Decimal(digits) * SUFFIXES[suffix]
-        whole = value == value.to_integral_value()
-    except DecimalException:  # an exponent past what decimal arithmetic holds (1e999999999)
-        raise ConfigError(f"{option} {_shown(text)} is not a token count", _HINT) from None
-    if not whole:
-        raise ConfigError(f"{option} {_shown(text)} is not a whole number of tokens", _HINT)
-    if value <= 0:
-        raise ConfigError(f"{option} {_shown(text)} must be positive", _HINT)
-    # Token counts are int64 in numpy and torch; a count past that is a typo (1e30), and int() of 1e5000 would be
-    # a number too long to print.
-    if value > INT64_MAX:
-        raise ConfigError(f"{option} {_shown(text)} is more than 2**63 - 1 tokens", _HINT)
-    return int(value)
-
-
-def _shown(text: str, limit: int = 40) -> str:
-    """The text as typed, shortened if long (9 repeated 5,000 times), for a one-line message."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+_MAX_TOKENS_HINT = f"{TOKEN_COUNT_HINT}, or chinchilla (with --run runs/NAME)"
 
 
 def chinchilla_tokens(run_dir: Path | str) -> int:
@@ -55,9 +24,9 @@ def _chinchilla_budget(run: RunConfig) -> int:
 
 
 def tokens_to_train(run: RunConfig) -> int:
-    """The train-split tokens `nanopt train` reads for `run`, each once: its total_steps whole global batches of
-    windows of seq_len + 1 tokens at stride seq_len (nanopt.data.loader), so RunConfig.total_tokens plus the last
-    window's last target."""
+    """The train-split tokens `run` reads in one pass, each once: its total_steps whole global batches of windows of
+    seq_len + 1 tokens at stride seq_len (nanopt.data.loader), so RunConfig.total_tokens plus the last window's last
+    target. A smaller split is read more than once (several epochs)."""
     return run.total_tokens + 1
 
 
@@ -80,4 +49,4 @@ def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> i
             raise ConfigError("--max-tokens chinchilla needs --run, the run whose model sets the budget",
                               "add --run runs/NAME")
         return chinchilla_train_tokens(run_dir)
-    return parse_token_count(text)
+    return parse_token_count(text, "--max-tokens", _MAX_TOKENS_HINT)

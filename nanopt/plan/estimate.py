@@ -1,17 +1,19 @@
-"""`nanopt estimate`: what a run will cost before any GPU is rented.
+"""`nanopt estimate`: what a run will cost before any GPU is rented, and whether it fits.
 
-Combines a run's configs (or a bare parameter count) with the formulas of `flops` and the GPU table of
-`hardware` into one JSON-ready report. Pure arithmetic: no torch.
+Combines a run's configs (or a bare parameter count) with the formulas of `flops`, the memory model and the GPU
+table of `hardware` (or this machine's CPU, `--gpu cpu`) into one JSON-ready report, with a verdict on memory and
+the changes that would make a run fit. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
-from nanopt.hardware import DEFAULT_GPU, GPU, MAX_SIZE_BYTES, get_gpu
+from nanopt.hardware import CPU, DEFAULT_GPU, GIB, MAX_SIZE_BYTES, cpu_peak, is_cpu, machine_memory_bytes, resolve_gpu
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
@@ -40,7 +42,7 @@ class EstimateOptions:
         # infinity would reach the arithmetic as a ZeroDivisionError or OverflowError.
         hint = "see `nanopt estimate --help`"
         check_option("--num-gpus", self.num_gpus, 1, 10_000_000, hint)
-        check_option("--mfu", self.mfu, 0, 1, "a fraction such as 0.4", above_low=True)
+        check_mfu(self.mfu)
         check_option("--price-per-hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR, hint)
         check_option("--peak-tflops", self.peak_tflops, 0, 1e9, hint, above_low=True)
         check_option("--gpu-memory", self.gpu_memory, 0, MAX_SIZE_BYTES, hint, above_low=True)
@@ -55,21 +57,74 @@ class EstimateOptions:
         return replace(self, params=_whole(self.params), tokens=_whole(self.tokens))
 
 
+def check_mfu(mfu: float) -> None:
+    """MFU is a fraction, one way only: 0.4 means 40%. A percentage (40) is refused with what it would mean, not
+    read as 4000% nor guessed at (is 1 then 100% or 1%?)."""
+    if isinstance(mfu, (int, float)) and 1 < mfu <= 100:
+        raise ConfigError(f"--mfu {mfu:g} is more than 1: MFU is a fraction of the peak",
+                          f"--mfu {mfu / 100:g} means {mfu:g}% (a well-tuned dense run reaches 0.35-0.55)")
+    check_option("--mfu", mfu, 0, 1, "a fraction of the peak: --mfu 0.4 means 40%", above_low=True)
+
+
 def _whole(count: float | None) -> int | None:
     return None if count is None else int(count)
 
 
-def _gpu_figures(opts: EstimateOptions, precision: str) -> tuple[GPU, float, int, float]:
-    gpu = get_gpu(opts.gpu)
-    peak = opts.peak_tflops * 1e12 if opts.peak_tflops else gpu.peak_flops(precision)
-    memory = opts.gpu_memory or gpu.memory_bytes
+@dataclass(frozen=True)
+class Target:
+    """What a run is estimated on: a GPU of the table (its figures overridden by options), or this machine's CPU."""
+
+    key: str
+    name: str
+    peak_flops: float
+    peak_source: str
+    memory_bytes: int
+    usd_per_hour: float | None  # None: no price is known (your own machine)
+    note: str | None = None  # which card a short name (h100) was taken to mean
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.key == CPU
+
+    @property
+    def per_device(self) -> str:
+        return "of this machine's memory" if self.is_cpu else "per GPU"
+
+
+def _target(opts: EstimateOptions, precision: str) -> Target:
+    if is_cpu(opts.gpu):
+        return _this_machine(opts)
+    gpu, note = resolve_gpu(opts.gpu)
+    peak, source = ((opts.peak_tflops * 1e12, "--peak-tflops") if opts.peak_tflops
+                    else (gpu.peak_flops(precision), "dense table peak"))
     price = gpu.usd_per_hour if opts.price_per_hour is None else opts.price_per_hour
-    return gpu, peak, memory, price
+    return Target(gpu.key, gpu.name, peak, source, opts.gpu_memory or gpu.memory_bytes, price, note)
 
 
-def _run_precision(run: RunConfig | None) -> str:
-    # `auto` means bf16 on a GPU, which is what an estimate is for.
-    return "bf16" if run is None or run.train.precision == "auto" else run.train.precision
+def _this_machine(opts: EstimateOptions) -> Target:
+    """`--gpu cpu`: the processor's dense fp32 peak (cores x clock x FLOPs per cycle, or --peak-tflops), the
+    machine's memory (or --gpu-memory), and no price unless --price-per-hour gives one."""
+    if opts.num_gpus != 1:
+        raise ConfigError(f"--num-gpus {opts.num_gpus} with --gpu cpu: a CPU estimate is of this one machine",
+                          "leave out --num-gpus, or name the GPUs with --gpu")
+    if opts.peak_tflops:
+        peak, source = opts.peak_tflops * 1e12, "--peak-tflops"
+    else:
+        found = cpu_peak()
+        if found is None:
+            raise ConfigError("--gpu cpu: cannot tell this processor's peak FLOP/s (no /proc/cpuinfo, or vector "
+                              "units nanopt does not know)", "pass --peak-tflops: cores x GHz x fp32 FLOPs per "
+                              "cycle / 1000, e.g. 0.15 for 2 AVX2 cores at 2.4 GHz (32 FLOPs per cycle)")
+        peak, source = found.flops, found.describe()
+    return Target(CPU, "this machine's CPU", peak, source, opts.gpu_memory or machine_memory_bytes(),
+                  opts.price_per_hour)
+
+
+def _run_precision(run: RunConfig | None, on_cpu: bool) -> str:
+    # `auto` means bf16 on a GPU and fp32 on a CPU, as training resolves it (nanopt.runtime.resolve_precision).
+    if run is None or run.train.precision == "auto":
+        return "fp32" if on_cpu else "bf16"
+    return run.train.precision
 
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
@@ -77,14 +132,15 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     opts = opts.with_whole_counts()
     if run is None and opts.params is None:
         raise ConfigError("estimate needs a run directory or --params", "e.g. `nanopt estimate runs/gpt2-small`")
-    precision = _run_precision(run)
-    gpu, peak, gpu_memory, price = _gpu_figures(opts, precision)
+    precision = _run_precision(run, is_cpu(opts.gpu))
+    target = _target(opts, precision)
     report: dict[str, Any] = {"run": str(run.run_dir) if run else None}
     report.update(_model_section(run, opts))
     report.update(_budget_section(run, opts, report))
-    report.update(_time_section(report, opts, gpu, peak, price))
-    report.update(_memory_section(run, opts, gpu_memory, precision, report["params"]))
+    report.update(_time_section(report, opts, target))
+    report.update(_memory_section(run, opts, target, precision, report["params"]))
     report.update(_batch_section(run, opts))
+    report["fit"] = _fit(run, opts.num_gpus, target, precision, report["params"])
     return report
 
 
@@ -107,42 +163,57 @@ def _budget_section(run: RunConfig | None, opts: EstimateOptions, report: dict[s
             "train_tokens": train_tokens, "train_tokens_vs_chinchilla": train_tokens / optimal}
 
 
-def _time_section(report: dict[str, Any], opts: EstimateOptions, gpu: GPU, peak: float,
-                  price: float) -> dict[str, Any]:
+def _time_section(report: dict[str, Any], opts: EstimateOptions, target: Target) -> dict[str, Any]:
     total_flops = report["train_tokens"] * report["flops_per_token"]
-    seconds = flops.train_seconds(total_flops, opts.num_gpus, peak, opts.mfu)
+    seconds = flops.train_seconds(total_flops, opts.num_gpus, target.peak_flops, opts.mfu)
     section: dict[str, Any] = {
         "total_flops": total_flops, "train_seconds": seconds, "train_hours": seconds / 3600,
-        "cost_usd": seconds / 3600 * opts.num_gpus * price,
+        "cost_usd": _cost(seconds / 3600, opts.num_gpus, target.usd_per_hour),
         "tokens_per_second": report["train_tokens"] / seconds,
-        "gpu": {"key": gpu.key, "name": gpu.name, "peak_tflops": peak / 1e12,
-                "peak_source": "--peak-tflops" if opts.peak_tflops else "dense table peak",
-                "usd_per_hour": price, "num_gpus": opts.num_gpus, "mfu": opts.mfu},
+        "gpu": {"key": target.key, "name": target.name, "peak_tflops": target.peak_flops / 1e12,
+                "peak_source": target.peak_source, "usd_per_hour": target.usd_per_hour, "num_gpus": opts.num_gpus,
+                "mfu": opts.mfu, "note": target.note},
         "hours": None,
     }
     if opts.hours:
-        tokens = flops.tokens_in_seconds(opts.hours * 3600, report["flops_per_token"], opts.num_gpus, peak,
-                                         opts.mfu)
+        tokens = flops.tokens_in_seconds(opts.hours * 3600, report["flops_per_token"], opts.num_gpus,
+                                         target.peak_flops, opts.mfu)
         section["hours"] = {"hours": opts.hours, "tokens": tokens,
                             "fraction_of_chinchilla": tokens / report["chinchilla_tokens"],
-                            "cost_usd": opts.hours * opts.num_gpus * price}
+                            "cost_usd": _cost(opts.hours, opts.num_gpus, target.usd_per_hour)}
     return section
 
 
-def _memory_section(run: RunConfig | None, opts: EstimateOptions, gpu_memory: int, precision: str,
+def _cost(hours: float, devices: int, usd_per_hour: float | None) -> float | None:
+    return None if usd_per_hour is None else hours * devices * usd_per_hour
+
+
+def _compiled(run: RunConfig, target: Target) -> bool:
+    # `auto` compiles on CUDA only, as training does.
+    return run.train.compile is True or (run.train.compile == "auto" and not target.is_cpu)
+
+
+def _run_memory(run: RunConfig, target: Target, precision: str, world_size: int, *,
+                activation_checkpointing: bool | None = None,
+                parallelism: str | None = None) -> memory_model.MemoryEstimate:
+    """The memory model for the run as configured, or with checkpointing / parallelism changed (what-ifs)."""
+    return memory_model.estimate_memory(
+        run.model, run.seq_len, precision=precision, compiled=_compiled(run, target),
+        activation_checkpointing=(run.train.activation_checkpointing if activation_checkpointing is None
+                                  else activation_checkpointing),
+        parallelism=parallelism or run.train.parallelism, world_size=world_size)
+
+
+def _memory_section(run: RunConfig | None, opts: EstimateOptions, target: Target, precision: str,
                     params: int) -> dict[str, Any]:
     if run is None:
         states = memory_model.states_only(params)
         return {"memory_bytes": {**states.to_dict(0), "activations_per_sequence": None},
-                "gpu_memory_bytes": gpu_memory, "max_micro_batch": None, "memory_assumptions": None}
-    compiled = run.train.compile in (True, "auto")
-    memory = memory_model.estimate_memory(
-        run.model, run.seq_len, precision=precision, compiled=compiled,
-        activation_checkpointing=run.train.activation_checkpointing, parallelism=run.train.parallelism,
-        world_size=opts.num_gpus)
-    return {"memory_bytes": memory.to_dict(run.train.micro_batch_size), "gpu_memory_bytes": gpu_memory,
-            "max_micro_batch": memory.max_micro_batch(gpu_memory),
-            "memory_assumptions": {"precision": precision, "compile": compiled,
+                "gpu_memory_bytes": target.memory_bytes, "max_micro_batch": None, "memory_assumptions": None}
+    memory = _run_memory(run, target, precision, opts.num_gpus)
+    return {"memory_bytes": memory.to_dict(run.train.micro_batch_size), "gpu_memory_bytes": target.memory_bytes,
+            "max_micro_batch": memory.max_micro_batch(target.memory_bytes),
+            "memory_assumptions": {"precision": precision, "compile": _compiled(run, target),
                                    "activation_checkpointing": run.train.activation_checkpointing,
                                    "parallelism": run.train.parallelism, "world_size": opts.num_gpus,
                                    "micro_batch_size": run.train.micro_batch_size}}
@@ -157,3 +228,150 @@ def _batch_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, An
         accum = f"inexact: {exc.one_line()}"
     return {"optimizer_steps": run.total_steps, "grad_accum": accum,
             "global_batch_tokens": run.train.global_batch_tokens, "micro_batch_size": run.train.micro_batch_size}
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+
+# FSDP is suggested across at most this many GPUs; a run that needs more is told to shrink instead.
+MAX_FSDP_GPUS = 4096
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _fit(run: RunConfig | None, world: int, target: Target, precision: str, params: int) -> dict[str, Any]:
+    """Whether the run fits the memory of each GPU (or of this machine), and the changes that would make it fit,
+    each checked with the same memory model: `set` holds the train.json values (for --set) and `num_gpus` the GPU
+    count it needs."""
+    if run is None:
+        return _states_fit(params, target)
+    memory = target.memory_bytes
+    wanted = run.train.micro_batch_size
+    current = _run_memory(run, target, precision, world)
+    largest = current.max_micro_batch(memory)
+    if largest >= wanted:
+        return {"fits": True, "remedies": [],
+                "verdict": f"fits: micro-batch {wanted} needs {_gib(current.total(wanted))} of {_gib(memory)} "
+                           f"{target.per_device}; up to about {largest} would fit"}
+    if largest >= 1:
+        verdict = (f"micro_batch_size {wanted} does not fit: it needs {_gib(current.total(wanted))} of "
+                   f"{_gib(memory)} {target.per_device}; up to about {largest} fits")
+    else:
+        verdict = (f"does not fit in {_gib(memory)} {target.per_device} even at micro-batch 1: it needs "
+                   f"{_gib(current.total(1))}")
+    remedies = [remedy for remedy in (_smaller_micro_batch(run, world, largest),
+                                      _checkpointing(run, world, target, precision, current, largest),
+                                      _fsdp(run, world, target, precision, largest)) if remedy]
+    if not remedies:
+        verdict += ("; no setting nanopt has makes it fit: fewer parameters, a shorter seq_len or a device with "
+                    "more memory")
+    return {"fits": False, "verdict": verdict, "remedies": remedies}
+
+
+def _smaller_micro_batch(run: RunConfig, world: int, largest: int) -> dict[str, Any] | None:
+    if largest < 1:
+        return None
+    size = _dividing_micro_batch(run, world, largest)
+    return {"set": {"micro_batch_size": size}, "num_gpus": world,
+            "text": f"micro_batch_size {size}: gradient accumulation keeps the global batch (`nanopt find-batch "
+                    "--write` measures the largest that fits)"}
+
+
+def _checkpointing(run: RunConfig, world: int, target: Target, precision: str,
+                   current: memory_model.MemoryEstimate, largest_now: int) -> dict[str, Any] | None:
+    """Activation checkpointing, when it is off and turning it on fits a larger micro-batch than now."""
+    if run.train.activation_checkpointing:
+        return None
+    checkpointed = _run_memory(run, target, precision, world, activation_checkpointing=True)
+    largest = checkpointed.max_micro_batch(target.memory_bytes)
+    if largest <= largest_now:
+        return None
+    size = _dividing_micro_batch(run, world, min(largest, run.train.micro_batch_size))
+    settings: dict[str, Any] = {"activation_checkpointing": True}
+    if size != run.train.micro_batch_size:
+        settings["micro_batch_size"] = size
+    return {"set": settings, "num_gpus": world,
+            "text": f"activation_checkpointing true: activations per sequence "
+                    f"{_gib(current.activations_per_sequence)} -> {_gib(checkpointed.activations_per_sequence)} "
+                    f"(recomputed in backward, about a third more compute); micro-batch {size} fits"}
+
+
+def _fsdp(run: RunConfig, world: int, target: Target, precision: str, largest_now: int) -> dict[str, Any] | None:
+    """The fewest GPUs (two or more; from the run's own count for a DDP run, more than it for an FSDP one) across
+    which FSDP's sharded weights, gradients and optimizer state fit the run's micro-batch, or else, when not even
+    micro-batch 1 fits now, micro-batch 1; with activation checkpointing when the activations alone are too large."""
+    if target.is_cpu:
+        return None
+    at_least = max(2, world if run.train.parallelism == "ddp" else world + 1)
+    sizes = (run.train.micro_batch_size,) if largest_now >= 1 else (run.train.micro_batch_size, 1)
+    for checkpointing in dict.fromkeys((run.train.activation_checkpointing, True)):
+        for size in dict.fromkeys(sizes):
+            gpus = _fewest_fsdp_gpus(run, target, precision, size, checkpointing, at_least)
+            if gpus is not None:
+                return _fsdp_remedy(run, target, precision, gpus, checkpointing)
+    return None
+
+
+def _fewest_fsdp_gpus(run: RunConfig, target: Target, precision: str, micro_batch: int, checkpointing: bool,
+                      at_least: int) -> int | None:
+    def fits(gpus: int) -> bool:
+        memory = _run_memory(run, target, precision, gpus, activation_checkpointing=checkpointing,
+                             parallelism="fsdp")
+        return memory.total(micro_batch) <= target.memory_bytes
+
+    one = _run_memory(run, target, precision, 1, activation_checkpointing=checkpointing, parallelism="fsdp")
+    room = target.memory_bytes - one.runtime_overhead - micro_batch * one.activations_per_sequence
+    if room <= 0:
+        return None  # no number of GPUs shards the activations
+    gpus = max(at_least, math.ceil((one.weights + one.gradients + one.optimizer) / room))
+    while gpus <= MAX_FSDP_GPUS and not fits(gpus):  # the per-GPU shares round up: at most a step or two
+        gpus += 1
+    return gpus if gpus <= MAX_FSDP_GPUS else None
+
+
+def _fsdp_remedy(run: RunConfig, target: Target, precision: str, gpus: int, checkpointing: bool) -> dict[str, Any]:
+    sharded = _run_memory(run, target, precision, gpus, activation_checkpointing=checkpointing, parallelism="fsdp")
+    size = _dividing_micro_batch(run, gpus, min(sharded.max_micro_batch(target.memory_bytes),
+                                                run.train.micro_batch_size))
+    settings: dict[str, Any] = {"parallelism": "fsdp"}
+    if checkpointing and not run.train.activation_checkpointing:
+        settings["activation_checkpointing"] = True
+    if size != run.train.micro_batch_size:
+        settings["micro_batch_size"] = size
+    with_checkpointing = ", with activation checkpointing" if "activation_checkpointing" in settings else ""
+    return {"set": settings, "num_gpus": gpus,
+            "text": f"FSDP across {gpus} GPUs (parallelism \"fsdp\", --num-gpus {gpus}{with_checkpointing}): "
+                    f"weights, gradients and optimizer state sharded to "
+                    f"{_gib(sharded.weights + sharded.gradients + sharded.optimizer)} per GPU; micro-batch {size} "
+                    "fits"}
+
+
+def _states_fit(params: int, target: Target) -> dict[str, Any]:
+    """A bare parameter count: only the weights, gradients and optimizer state (and the runtime) can be judged."""
+    needed = memory_model.states_only(params).fixed()
+    if needed <= target.memory_bytes:
+        return {"fits": True, "remedies": [],
+                "verdict": f"weights, gradients and optimizer state fit: {_gib(needed)} of "
+                           f"{_gib(target.memory_bytes)} {target.per_device}; activations are not known without "
+                           "a run directory"}
+    verdict = (f"does not fit: weights, gradients and optimizer state alone need {_gib(needed)}, more than "
+               f"{_gib(target.memory_bytes)} {target.per_device}")
+    gpus = next((n for n in range(2, MAX_FSDP_GPUS + 1)
+                 if memory_model.states_only(params, n).fixed() <= target.memory_bytes), None)
+    if target.is_cpu or gpus is None:
+        return {"fits": False, "remedies": [], "verdict": verdict + "; only a smaller model would fit"}
+    per_gpu = memory_model.states_only(params, gpus).fixed() - memory_model.RUNTIME_OVERHEAD_BYTES
+    return {"fits": False, "verdict": verdict, "remedies": [
+        {"set": {"parallelism": "fsdp"}, "num_gpus": gpus,
+         "text": f"FSDP across {gpus} GPUs (parallelism \"fsdp\", --num-gpus {gpus}): weights, gradients and "
+                 f"optimizer state sharded to {_gib(per_gpu)} per GPU, before activations"}]}
+
+
+def _dividing_micro_batch(run: RunConfig, world: int, limit: int) -> int:
+    """The largest micro-batch up to `limit` that divides the global batch exactly over `world` ranks (gradient
+    accumulation must be whole); `limit` itself when the global batch is not a whole number of sequences."""
+    sequences, remainder = divmod(run.train.global_batch_tokens, run.seq_len * world)
+    if remainder or sequences == 0:
+        return max(1, limit)
+    return max(size for size in range(1, max(1, min(limit, sequences)) + 1) if sequences % size == 0)
