@@ -48,6 +48,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: F401  (loss.png)
 import nanopt.cli, nanopt.train.loop  # noqa: F401  (what every child would import again)
+import torch._dynamo  # noqa: F401  (imported by the optimizer's first construction: ~2 s of CPU in every child)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)

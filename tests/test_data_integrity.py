@@ -107,8 +107,8 @@ def command_on(name: str, data: Path, root: Path, launcher: Launcher) -> Command
     run = trained_on(data, root, launcher)
     if name == "eval":  # with samples, which need the tokenizer
         return Command(["eval", run, "--tokens", "1024", "--max-new-tokens", "4"], [run, data])
-    out = root / "exported"
-    return Command(["export", run, "--out", out], [run, data, out])
+    out = root / "exported"  # --data: the checkpoint carries its tokenizer, so export opens a dataset only when told
+    return Command(["export", run, "--data", data, "--out", out], [run, data, out])
 
 
 def run_refused(command: Command, launcher: Launcher, cli_in_process) -> SimpleNamespace:

@@ -152,13 +152,13 @@ def test_auto_resume_follows_the_latest_pointer(tmp_path: Path):
 
 def test_a_validation_split_too_small_fails_at_setup_before_any_step(tmp_path: Path, tiny_dataset: Path,
                                                                      launcher: Launcher):
-    # ~14k validation tokens cannot fill one batch of 512 windows of 32 tokens; training data can.
-    run = make_run(tmp_path, tiny_dataset, "run", micro_batch_size=512, global_batch_tokens=512 * 32, max_steps=4,
-                   eval_interval=2, checkpoint_interval=2)
+    # ~14k validation tokens hold not one window of seq_len 16,384 + 1; the ~108k training tokens do.
+    run = make_run(tmp_path, tiny_dataset, "run", model={"max_position_embeddings": 16_384}, micro_batch_size=1,
+                   global_batch_tokens=16_384, max_steps=4, eval_interval=2, checkpoint_interval=2)
     before = tree_digest(run)
     child = launcher.run("train", run, "--no-live")
     assert child.status == 2
-    assert "split 'val'" in child.stderr and "Traceback" not in child.stderr
+    assert "split 'val'" in child.stderr and "fewer than one window" in child.stderr and "Traceback" not in child.stderr
     assert tree_digest(run) == before  # no step was run and so none was lost
 
 

@@ -2,7 +2,7 @@
 
 - A `--max-tokens` the corpus cannot fill says how much train got and how often a run to that budget repeats it.
 - val and test are filled by tokens (the run's eval_tokens, or 1,048,576), taking at most 5% of a small corpus
-  each, also with a small `--max-tokens`; the summary says when a split cannot feed one evaluation batch.
+  each, also with a small `--max-tokens`; the summary says when a split holds not one evaluation window.
 - The end-of-text token of well-known tokenizer families is found (the document separator, never a chat
   end-of-turn token), and a nanopt dataset directory given as `--tokenizer` lends its tokenizer and EOS token.
 - A malformed .jsonl is one line on stderr: nanopt's error, not a log line of the `datasets` library first.
@@ -145,7 +145,7 @@ def test_by_default_val_and_test_each_take_a_share_of_a_small_corpus(tmp_path: P
     assert summary["splits"]["train"]["tokens"] > 0.85 * summary["tokens"]
     val_tokens = summary["splits"]["val"]["tokens"]
     assert any(f"val has {val_tokens:,} tokens, short of its 1,048,576-token target" in note
-               and f"up to {val_tokens - 1:,} tokens" in note for note in summary["notes"])
+               and "evaluation scores all of it" in note for note in summary["notes"])
 
 
 def test_targets_fill_in_source_order_and_a_copy_follows_its_first(tmp_path: Path, gpt2_style: Path,
@@ -196,10 +196,12 @@ def test_a_long_held_out_document_that_meets_the_target_past_the_budget_is_writt
            [p.read_bytes() for p in sorted((tmp_path / "batch-256").glob("*/*.npy"))]
 
 
-def test_a_run_sets_the_targets_and_a_split_too_small_for_its_eval_batch_is_warned_about(
+def test_a_run_sets_the_targets_and_a_split_too_small_for_its_eval_window_is_warned_about(
         tmp_path: Path, gpt2_style: Path, corpus: list[str], cli_in_process):
     jsonl = write_jsonl(tmp_path / "mine.jsonl", corpus)
-    run = write_run(tmp_path / "run", eval_tokens=4_096, micro_batch_size=512, global_batch_tokens=8_192)
+    run = write_run(tmp_path / "run", eval_tokens=4_096, micro_batch_size=1, global_batch_tokens=8_192)
+    model = json.loads((run / "model.json").read_text())
+    (run / "model.json").write_text(json.dumps({**model, "max_position_embeddings": 8_192}))  # windows of 8,193
     result = cli_in_process("tokenize", jsonl, "--tokenizer", gpt2_style, "--run", run, "--out", tmp_path / "data",
                             "--json")
     assert result.returncode == 0, result.stderr
@@ -209,8 +211,8 @@ def test_a_run_sets_the_targets_and_a_split_too_small_for_its_eval_batch_is_warn
     for split in ("val", "test"):
         tokens = summary["splits"][split]["tokens"]
         assert 4_096 <= tokens < 8_193
-        assert any(f"split '{split}' has {tokens:,} tokens, fewer than one evaluation batch of {run} needs "
-                   "(micro_batch_size 512 x seq_len 16 + 1 = 8,193)" in w for w in summary["warnings"])
+        assert any(f"split '{split}' has {tokens:,} tokens, fewer than one evaluation window of {run} "
+                   "(seq_len 8192 + 1 = 8,193)" in w for w in summary["warnings"])
     assert_user_error(cli_in_process("tokenize", jsonl, "--tokenizer", gpt2_style, "--run", tmp_path / "nowhere",
                                      "--out", tmp_path / "other"), "run directory not found")
     assert not (tmp_path / "other").exists()

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from clihelp import assert_user_error, run_cli
 from conftest import english_like_documents, write_jsonl
-from faulthelp import Launcher, tiny_run, tree_digest
+from faulthelp import TINY_MODEL, TINY_TRAIN, Launcher, tiny_run, tree_digest
+from trainhelp import make_run
 
 
 @dataclass
@@ -197,8 +198,13 @@ def train_dataset_meta_not_json(w: World) -> Case:
     return Case(["train", run], ("meta.json: not valid JSON", "--force"), "fork")
 
 
-def train_dataset_too_small(w: World) -> Case:
-    return Case(["train", w.run(max_steps=100_000)], ("split 'train' has", "tokens but 6,400,001 are needed"), "fork")
+def train_split_shorter_than_one_sequence(w: World) -> Case:
+    # A budget past the split's end is trained as several epochs; a split without one sequence cannot train at all.
+    tokens = json.loads((w.other_tokenizer / "meta.json").read_text())["splits"]["train"]["tokens"]
+    run = make_run(w.root, w.other_tokenizer, "run", model={**TINY_MODEL, "max_position_embeddings": tokens},
+                   **{**TINY_TRAIN, "micro_batch_size": 1, "global_batch_tokens": tokens})
+    return Case(["train", run], (f"split 'train' has {tokens:,} tokens, fewer than one training sequence of "
+                                 f"seq_len + 1 = {tokens + 1:,}", "lower seq_len"), "fork")
 
 
 def train_model_vocab_smaller_than_the_data(w: World) -> Case:
@@ -301,7 +307,7 @@ CASES = [estimate_malformed_json, estimate_impossible_shape, estimate_unknown_gp
          tokenize_impossible_split, find_batch_on_cpu_without_a_bound, find_batch_model_vocab_smaller_than_the_data,
          profile_zero_steps, profile_missing_dataset, train_run_directory_missing, train_unknown_key,
          train_wrong_type, train_inexact_batch, train_set_without_value, train_dataset_missing,
-         train_dataset_without_meta, train_dataset_meta_not_json, train_dataset_too_small,
+         train_dataset_without_meta, train_dataset_meta_not_json, train_split_shorter_than_one_sequence,
          train_model_vocab_smaller_than_the_data, train_token_ids_out_of_range, train_shard_with_another_dtype,
          train_resume_with_another_seed, train_resume_on_another_world_size, train_resume_missing_checkpoint,
          train_resume_name_outside_the_run, eval_data_with_another_tokenizer, eval_best_without_in_loop_eval,

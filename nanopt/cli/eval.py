@@ -16,8 +16,11 @@ from nanopt.cli.launch import launch_if_asked
 from nanopt.runtime import ranks
 
 EPILOG = """
-The test split is never read by training (train) or its in-loop evaluation (val). By default the first
-1,048,576 tokens of it are evaluated (all of it if smaller), in the run's seq_len windows; --tokens changes that.
+The test split is never read by training (train) or its in-loop evaluation (val). By default its first 1,048,576
+tokens are scored (all of it if smaller; --tokens changes that), in the run's seq_len windows from the start of the
+split, the last one partial: the same tokens, so the same loss, on any number of ranks and any micro-batch size.
+--tokens all scores every token of the split but the first (nothing comes before it). The output says how many
+tokens were scored, of how many in the split.
 Bits per byte = loss / ln 2 / (bytes per token of the test split): it compares runs with different tokenizers.
 
 Results go to checkpoints/step-N/eval.json and runs/NAME/eval.json. With several runs, an eval.json made for the
@@ -33,6 +36,8 @@ Examples:
 
   nanopt eval runs/gpt2-small --data data/fineweb-gpt2 --tokens all --no-samples --json   # same tokenizer
 
+  nanopt eval runs/gpt2-small --no-loss --prompt 'Once upon a time'   # samples only: no dataset needed
+
   nanopt eval runs/gpt2-small runs/gpt2-medium runs/smollm-360m --price-per-hour 2.99   # best test loss first
 
   nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
@@ -47,7 +52,8 @@ def eval_command(
     run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to compare."),
     checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
     data: Path | None = typer.Option(None, "--data", help="Evaluate on this dataset's test split instead of the "
-                                                          "run's; it must use the run's tokenizer."),
+                                                          "run's: a dataset directory made with the run's "
+                                                          "tokenizer."),
     tokens: str = typer.Option("1048576", "--tokens", help=TOKENS_HELP),
     micro_batch_size: int | None = typer.Option(None, "--micro-batch-size", min=1, help="Sequences per forward "
                                                 "pass (default: the run's micro_batch_size)."),
@@ -57,14 +63,18 @@ def eval_command(
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Sample from the k most likely tokens; 0: all."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed: the same seed gives the same text."),
-    no_samples: bool = typer.Option(False, "--no-samples", help="Skip generation."),
+    no_samples: bool = typer.Option(False, "--no-samples/--samples", help="Skip generation (--samples: generate, "
+                                    "the default)."),
+    no_loss: bool = typer.Option(False, "--no-loss/--loss", help="Samples only, no test loss: needs no dataset (the "
+                                 "checkpoint carries its tokenizer) and writes no eval.json (--loss: measure it, "
+                                 "the default)."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", min=0.0, help="USD per GPU-hour, for "
                                                 "the training cost: price x GPUs (ranks) x training hours."),
-    fresh: bool = typer.Option(False, "--fresh", help="With several runs, evaluate each even if an eval.json "
-                                                      "for the same checkpoint and settings exists."),
+    fresh: bool = typer.Option(False, "--fresh/--no-fresh", help="With several runs, evaluate each even if an "
+                               "eval.json for the same checkpoint and settings exists."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 starts "
                                                                    "torchrun."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
@@ -78,10 +88,14 @@ def eval_command(
         prompts=tuple(prompts) if prompts else DEFAULT_PROMPTS, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k or None, seed=seed)
     opts = EvalOptions(checkpoint=checkpoint, data=data, tokens=_token_count(tokens),
-                       micro_batch_size=micro_batch_size, samples=samples, reuse=len(run_dirs) > 1 and not fresh)
+                       micro_batch_size=micro_batch_size, samples=samples, loss=not no_loss,
+                       reuse=len(run_dirs) > 1 and not fresh)
     is_main = ranks().is_main
     results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
     if not is_main:
+        return
+    if no_loss:
+        _render_samples_only(results, as_json)
         return
     rows = compare.ranked(results, price_per_hour)
     if as_json:
@@ -133,7 +147,8 @@ def _render_one(r: dict[str, Any]) -> None:
     table.add_column("")
     rows = [
         ("checkpoint", r["checkpoint"]),
-        ("test split", f"{r['dataset']}: {r['tokens']:,} tokens, {r['bytes_per_token']:.3f} bytes per token"),
+        ("test split", f"{r['dataset']}: {r['tokens']:,} of {r['split_tokens']:,} tokens evaluated "
+                       f"({fmt.percent(r['tokens'] / r['split_tokens'])}), {r['bytes_per_token']:.3f} bytes per token"),
         ("test loss", f"{r['test_loss']:.4f} nats per token"),
         ("perplexity", f"{r['perplexity']:.2f}"),
         ("bits per byte", f"{r['bits_per_byte']:.4f}"),
@@ -151,19 +166,16 @@ def _render_one(r: dict[str, Any]) -> None:
 
 def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
     out = console()
-    table = Table(title="nanopt eval: runs by test loss", title_justify="left")
-    # Perplexity is left out: it is exp(test loss), in the JSON. "batch" is the global batch in tokens.
-    for name in ("#", "run", "step", "params", "tokens", "batch", "test loss", "bits/byte", "train time", "GPU-h",
-                 "cost"):
-        # A narrow terminal wraps a run's path rather than cutting off the part that tells runs apart.
-        table.add_column(name, justify="left" if name == "run" else "right", overflow="fold" if name == "run"
-                         else "ellipsis")
-    for rank, r in enumerate(rows, 1):
-        table.add_row(str(rank), escape(r["run"]), f"{r['step']:,}", fmt.count(r["parameters"]),
-                      fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]), f"{r['test_loss']:.4f}",
-                      f"{r['bits_per_byte']:.4f}", fmt.duration(r["train_seconds"]),
-                      "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}", fmt.money(r["cost_usd"]))
-    out.print(table)
+    # What is compared first, then what it took. Perplexity is left out: it is exp(test loss), in the JSON. "batch" is
+    # the global batch in tokens. A narrow terminal or a pipe (80 columns) gets the columns over several tables, each
+    # with the rank: no number is cut short, and --json has everything.
+    headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "train time", "GPU-h",
+               "cost"]
+    records = [[str(rank), escape(r["run"]), f"{r['test_loss']:.4f}", f"{r['bits_per_byte']:.4f}", f"{r['step']:,}",
+                fmt.count(r["parameters"]), fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]),
+                fmt.duration(r["train_seconds"]), "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}",
+                fmt.money(r["cost_usd"])] for rank, r in enumerate(rows, 1)]
+    fmt.print_records(out, "nanopt eval: runs by test loss", headers, records, left=frozenset({"run"}))
     for note in notes:
         out.print(f"note: {escape(note)}")
     for r in rows:
@@ -177,11 +189,39 @@ def _training_time(r: dict[str, Any]) -> str:
     return text + (f", {fmt.money(r['cost_usd'])}" if r.get("cost_usd") is not None else "")
 
 
+def _render_samples_only(results: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print_json(results[0] if len(results) == 1 else {"runs": results})
+        return
+    for r in results:
+        console().print(escape(f"nanopt eval: {r['run']} at step {r['step']:,}: samples only (--no-loss); "
+                               f"tokenizer: {r['tokenizer_check']}"))
+        _render_samples(r)
+
+
 def _render_samples(r: dict[str, Any]) -> None:
     out = console()
     for sample in r["samples"]:
         prompt = sample["prompt"]
         title = f"{r['run']}: {prompt!r}" if prompt else f"{r['run']}: (a new document)"
-        ending = "[EOS]" if sample["ended"] else "..."
-        body = f"[bold]{escape(prompt)}[/]{escape(sample['completion'])}[dim]{ending}[/]"
+        ending = escape("[EOS]") if sample["ended"] else "..."
+        body = (f"[bold]{escape(prompt)}[/]{escape(sample['completion'])}[dim]{ending}[/]\n"
+                f"[dim]{escape(_how_it_stopped(sample))}[/]")
         out.print(Panel(body, title=escape(title), title_align="left", expand=False))
+
+
+def _how_it_stopped(sample: dict[str, Any]) -> str:
+    """How many tokens a sample produced and why it stopped (an eval.json from before nanopt recorded why says
+    only whether it ended with EOS)."""
+    count = sample["new_tokens"]
+    produced = f"{count:,} new token{'' if count == 1 else 's'}"
+    stopped = sample.get("stopped", "eos" if sample["ended"] else None)
+    if stopped == "eos":
+        return f"{produced}, ended with the end-of-text token"
+    if stopped == "max_new_tokens":
+        return f"{produced}: stopped at --max-new-tokens"
+    if stopped == "context_limit":
+        positions = 1 + sample["prompt_tokens"] + count  # the EOS that starts the document, prompt, continuation
+        return (f"{produced}: stopped at the model's context limit ({positions:,} positions, "
+                "max_position_embeddings)")
+    return produced

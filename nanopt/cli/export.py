@@ -13,9 +13,10 @@ from nanopt.cli.app import app, console, print_json
 from nanopt.rundir import RunDir
 
 EPILOG = """
-The model is rebuilt from the checkpoint's own config snapshot; the tokenizer is the tokenizer.json of the run's
-dataset (or of --data, which must use the same tokenizer). llama runs become LlamaForCausalLM, gpt2 runs
-GPT2LMHeadModel, with fp32 weights.
+The model is rebuilt from the checkpoint's own config snapshot; the tokenizer is the tokenizer.json the checkpoint
+carries, so no dataset is needed (checkpoints written before they carried one: the run's dataset, or --data, which
+must use the same tokenizer). llama runs become LlamaForCausalLM, gpt2 runs GPT2LMHeadModel, with fp32 weights.
+Files and directories get the permissions a plain mkdir / open gives them (the umask), so others can read them.
 
 Examples:
 
@@ -34,19 +35,21 @@ def export_command(
     run_dir: Path = typer.Argument(..., help="Run directory with checkpoints."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Directory to write (default: RUN_DIR/export)."),
     checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
-    data: Path | None = typer.Option(None, "--data", help="Take the tokenizer from this dataset instead of the "
-                                                          "run's; it must be the same tokenizer."),
-    force: bool = typer.Option(False, "--force", help="Replace an earlier export at --out (never anything else)."),
-    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+    data: Path | None = typer.Option(None, "--data", help="Only for checkpoints that do not carry their tokenizer "
+                                                          "(older ones): take it from this dataset directory, made "
+                                                          "with the run's tokenizer."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace an earlier export at --out (never "
+                               "anything else)."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print what was written as JSON."),
 ) -> None:
     """Export a checkpoint to a transformers directory that AutoModelForCausalLM and AutoTokenizer load."""
     from nanopt.evaluate.trained import open_trained
     from nanopt.export.hf import export_hf
     from nanopt.train.checkpoint import load_model_state
 
-    trained = open_trained(run_dir, checkpoint, data)
-    written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.dataset.tokenizer_path,
-                        out if out is not None else RunDir(run_dir).export_dir, eos_id=trained.dataset.eos_id,
+    trained = open_trained(run_dir, checkpoint, data, for_loss=False)
+    written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.tokenizer_path,
+                        out if out is not None else RunDir(run_dir).export_dir, eos_id=trained.eos_id,
                         force=force, run_dir=run_dir)
     files = {p.name: p.stat().st_size for p in sorted(written.iterdir()) if p.is_file()}
     if as_json:

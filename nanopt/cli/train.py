@@ -28,6 +28,8 @@ Examples:
   nanopt train runs/llama-3.2-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
 
   nanopt train runs/demo --resume none --set max_steps=50 --set train_tokens=null
+
+  nanopt train runs/demo --resume none --set max_steps=3000   # ~1.4 passes over its data, each epoch reshuffled
 """
 
 
@@ -36,8 +38,9 @@ def train_command(
     run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
     resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any), none, "
                                                         "latest, best, or a checkpoint path."),
-    allow_changed: bool = typer.Option(False, "--allow-changed", help="Resume although the learning rate, "
-                                       "budget, micro-batch or world size changed (never model or data)."),
+    allow_changed: bool = typer.Option(False, "--allow-changed/--no-allow-changed", help="Resume although the "
+                                       "learning rate, budget, micro-batch or world size changed (never model or "
+                                       "data)."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 "
                                                                    "starts torchrun."),
@@ -45,8 +48,9 @@ def train_command(
     node_rank: int = typer.Option(0, "--node-rank", help="This node's rank (passed to torchrun)."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous "
                                                                               "(passed to torchrun)."),
-    no_live: bool = typer.Option(False, "--no-live", help="Log lines only, no live progress bar."),
-    as_json: bool = typer.Option(False, "--json", help="Print the end-of-run summary as JSON."),
+    no_live: bool = typer.Option(False, "--no-live/--live", help="Log lines only, no live progress bar (--live: "
+                                 "the bar, the default)."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the end-of-run summary as JSON."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
     check_launcher_options(nproc_per_node, nnodes, node_rank)
@@ -75,6 +79,7 @@ def _summary_table(s: dict[str, Any]) -> Table:
     table.add_column("")
     mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else (s["mfu_note"] or "- (no known GPU peak)")
     rows = [("steps", f"{s['steps']:,} / {s['total_steps']:,}"), ("tokens", fmt.count(s["tokens"])),
+            ("epochs (passes over the train split)", f"{s['epochs']:.2f}"),
             ("time (this session)", fmt.duration(s["seconds"])), ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
             ("MFU", mfu), ("final train loss", _loss(s["final_train_loss"])),
             ("final val loss", _loss(s["final_val_loss"])), ("best val loss", _loss(s["best_val_loss"])),

@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from nanopt.cli import format as fmt
+
 
 class Display:
     def __init__(self, live: bool = True) -> None:
@@ -42,13 +44,20 @@ class Display:
 
     def log(self, r: dict[str, Any], total_steps: int) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else (r.get("mfu_note") or "-")
+        epoch = f"  epoch {r['epoch']:.2f}" if r["epoch"] > 1 else ""  # only once the run reads data again
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}")
+                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}{epoch}")
         self.console.print(line, markup=False, soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.task, completed=r["step"],
                                  description=f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
-                                             f"val {self.last_eval}")
+                                             f"val {self.last_eval}{' |' + epoch if epoch else ''}")
+
+    def data_repeats(self, r: dict[str, Any]) -> None:
+        self.console.print(f"warning: data repeats: the run reads {fmt.count(r['run_tokens'])} tokens from a train "
+                           f"split of {fmt.count(r['split_tokens'])} tokens ({r['split_sequences']:,} sequences of "
+                           f"{r['seq_len']:,}): {r['epochs']:.2f} epochs, each in a fresh order",
+                           style="yellow", markup=False, soft_wrap=True, highlight=False)
 
     def evaluated(self, step: int, loss: float) -> None:
         self.last_eval = f"{loss:.4f}"

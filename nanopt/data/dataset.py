@@ -1,4 +1,4 @@
-"""Opening a dataset directory made by `nanopt tokenize`, and checking it against a model and a token budget.
+"""Opening a dataset directory made by `nanopt tokenize`, and checking it against a model.
 
     data/NAME/
       meta.json        format, format_version, vocab_size, eos_id, eos_token, dtype, tokenizer (description and
@@ -317,12 +317,3 @@ def check_compatible(dataset: TokenDataset, model_vocab_size: int) -> None:
                         f"{model_vocab_size:,}",
                         f"set vocab_size to at least {needed} in model.json (e.g. {padded}, a multiple of 64), or "
                         f"tokenize with a tokenizer of at most {model_vocab_size} tokens (--vocab-size)")
-
-
-def check_budget(dataset: TokenDataset, split: str, tokens_needed: int) -> None:
-    """DataError when the split has fewer tokens than a run needs."""
-    available = dataset.split_tokens(split)
-    if available < tokens_needed:
-        raise DataError(f"{dataset.path}: split '{split}' has {available:,} tokens but {tokens_needed:,} are needed",
-                        "tokenize more (a larger source or --max-tokens), or lower train_tokens / max_steps in "
-                        "train.json")

@@ -5,15 +5,23 @@ first seq_len tokens, targets the last seq_len). Window w starts at token w * se
 (tokens - 1) // seq_len of them.
 
 Training order: sample k of the run is window perm_e(k mod W) of epoch e = k // W, where perm_e is a seeded
-Feistel permutation (O(1) memory) keyed by (seed, e), so each epoch is a fresh shuffle.
+Feistel permutation (O(1) memory) keyed by (seed, e), so each epoch is a fresh shuffle. A run may read more samples
+than the split has windows: every epoch reads each window exactly once, and a micro-batch may straddle two epochs.
+The position (step, micro-step) is all a checkpoint needs, so a run resumes exactly in the middle of any epoch.
+`epochs_at(step)` is the passes over the split after a step: 1.37 is one whole pass and 37% of the next.
 
 Sample assignment: optimizer step s consumes G = micro_batch_size x grad_accum x world_size samples, namely
 [s*G, (s+1)*G); micro-step m of rank r takes the B samples starting at s*G + (m*world_size + r)*B. The samples of a
 step therefore depend only on G: one rank with grad_accum 2 and two ranks with grad_accum 1 train on the same
 samples, and a run may resume on another number of ranks (or micro-batch size) at a step boundary.
 
-Evaluation reads a fixed slice instead: the first windows of the split, in order, the same number of batches on
-every rank (so no rank waits alone at a collective), disjoint across ranks.
+Evaluation scores a fixed slice instead, chosen by the split, seq_len and the requested tokens N alone, never by
+the world size or micro-batch size: the split's first min(N, tokens - 1) targets (all: tokens - 1; the first token
+has nothing before it to predict it from), in windows of seq_len from the split's start, the last one partial when
+N is not a multiple of seq_len or when `all` leaves tokens after the last whole window. Only scored targets count
+(padding targets are IGNORE_INDEX), so the loss is the token-weighted mean over exactly those targets on any layout.
+Window-batches are dealt round-robin to the ranks; every rank runs as many forward passes (a rank short of one runs
+a batch that scores nothing), because a sharded model's forward pass is itself a collective.
 
 Token ids are checked here, for every command that reads batches (train, eval, find-batch, profile): an id past the
 embedding table would crash the forward pass (on CUDA as a device-side assert), so it is a DataError naming the
@@ -29,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from nanopt.data.dataset import TokenDataset, TokenStream, check_budget, check_compatible, retokenize_hint
+from nanopt.data.dataset import TokenDataset, TokenStream, check_compatible, retokenize_hint
 from nanopt.data.permutation import FeistelPermutation
 from nanopt.errors import DataError, ResumeError
 
-__all__ = ["EvalBatches", "TrainLoader", "check_budget", "check_compatible", "check_token_ids", "eval_batches"]
+__all__ = ["EVAL_SLICE_VERSION", "EvalBatches", "TrainLoader", "check_compatible", "check_token_ids", "eval_batches"]
 
 STATE_VERSION = 1
 CHECK_CHUNK_TOKENS = 1 << 22  # tokens range-checked per read: bounds the check's memory (32 MiB as int64)
@@ -108,6 +116,12 @@ class TrainLoader:
         """The epoch of the next sample (0 during the first pass over the split)."""
         return self._first_sample() // self.num_windows
 
+    def epochs_at(self, step: int) -> float:
+        """Passes over the split after `step` optimizer steps, counting every rank's samples: 1.37 is one whole
+        pass and 37% of the next. The same on every rank and any world size (samples_per_step is the global
+        batch)."""
+        return step * self.samples_per_step / self.num_windows
+
     def _first_sample(self) -> int:
         return (self.step * self.samples_per_step
                 + (self.micro_step * self.world_size + self.rank) * self.micro_batch_size)
@@ -178,50 +192,80 @@ def _resume_hint(key: str) -> str:
     return "restore the original setting, or start a new run directory"
 
 
-def eval_batches(dataset: TokenDataset, split: str, seq_len: int, micro_batch_size: int, rank: int,
-                 world_size: int, max_tokens: int) -> EvalBatches:
-    """This rank's share of a fixed evaluation slice: the first windows of the split, in order.
+# Names the rule that picks the evaluated tokens; eval.json settings record it, so a result made under another rule
+# is recomputed rather than reused. 1: whole micro-batches per rank, trimmed to a multiple of the world size.
+# 2: the first min(N, tokens - 1) targets whatever the layout, with a last partial window (module docstring).
+EVAL_SLICE_VERSION = 2
 
-    `max_tokens` is the total over all ranks, so the same windows are evaluated on any number of ranks when it
-    divides evenly. Every rank gets the same number of batches (at least one); DataError if the split is too small
-    or the slice holds a token id past the vocabulary.
+
+def eval_batches(dataset: TokenDataset, split: str, seq_len: int, micro_batch_size: int, rank: int,
+                 world_size: int, max_tokens: int | None) -> EvalBatches:
+    """This rank's share of the evaluation slice: the split's first min(max_tokens, tokens - 1) targets (all of
+    them when max_tokens is None), in seq_len windows from the split's start, the last one partial.
+
+    The slice depends only on the split, seq_len and max_tokens; micro_batch_size and the world size only decide
+    how it is dealt out (see EvalBatches), so the loss is the same on any layout up to summation order. DataError if
+    the split holds not even one whole window, or the slice a token id past the vocabulary.
     """
     _check_layout(seq_len, micro_batch_size, rank, world_size)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens {max_tokens} must be positive (None: the whole split)")
     stream = dataset.stream(split)
-    per_batch_round = micro_batch_size * world_size  # windows consumed when every rank takes one batch
-    available = _windows_in(stream, seq_len) // per_batch_round
-    if available < 1:
-        needed = per_batch_round * seq_len + 1
-        raise DataError(f"{dataset.path}: split '{split}' has {stream.total:,} tokens; one evaluation batch per "
-                        f"rank needs {world_size} x {micro_batch_size} x {seq_len} + 1 = {needed:,}",
-                        f"tokenize with a larger --{split}-fraction or a bigger corpus, or lower micro_batch_size "
-                        "or seq_len")
-    count = min(max(1, max_tokens // (per_batch_round * seq_len)), available)
+    if _windows_in(stream, seq_len) < 1:
+        raise DataError(f"{dataset.path}: split '{split}' has {stream.total:,} tokens, fewer than one window of "
+                        f"seq_len + 1 = {seq_len + 1:,} to evaluate",
+                        f"tokenize with a larger --{split}-tokens or a bigger corpus, or lower seq_len")
+    targets = stream.total - 1 if max_tokens is None else min(max_tokens, stream.total - 1)
     # The whole slice, on every rank: a bad id in another rank's share stops this rank too.
-    check_token_ids(dataset, split, stream, np.arange(count * per_batch_round, dtype=np.int64) * seq_len, seq_len + 1)
-    return EvalBatches(stream, seq_len, micro_batch_size, rank, world_size, count)
+    whole, tail = divmod(targets, seq_len)
+    check_token_ids(dataset, split, stream, np.arange(whole, dtype=np.int64) * seq_len, seq_len + 1)
+    if tail:
+        check_token_ids(dataset, split, stream, np.array([whole * seq_len], dtype=np.int64), tail + 1)
+    return EvalBatches(stream, seq_len, micro_batch_size, rank, world_size, targets)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)  # exact for any size, where math.ceil(a / b) rounds through a float
 
 
 class EvalBatches(Sequence):
-    """A sized, re-iterable sequence of (inputs, targets); batches are read from the memory maps when indexed."""
+    """A sized, re-iterable sequence of (inputs, targets); batches are read from the memory maps when indexed.
+
+    Window w holds targets [w * seq_len + 1, ...] of the split, at most seq_len of them; batch b holds windows
+    [b * rows, (b + 1) * rows), and rank r takes batches r, r + world_size, ... Every batch is [rows, seq_len], with
+    rows = min(micro_batch_size, windows), so a compiled model sees one shape and a split smaller than a micro-batch
+    costs no more than its windows. Positions past a partial window and rows past the last window are padding:
+    input token 0, target IGNORE_INDEX, scored by nothing. Ranks get the same number of batches, a rank short of
+    one taking a batch of padding alone, because each forward pass of a sharded (FSDP) or DDP model is itself a
+    collective that every rank must enter; the loss's own all-reduce comes once, after the last batch.
+    """
 
     def __init__(self, stream: TokenStream, seq_len: int, micro_batch_size: int, rank: int, world_size: int,
-                 count: int) -> None:
-        self.stream, self.seq_len, self.micro_batch_size = stream, seq_len, micro_batch_size
-        self.rank, self.world_size, self.count = rank, world_size, count
+                 targets: int) -> None:
+        self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
+        self.targets = targets  # scored over all ranks together
+        self.windows = _ceil_div(targets, seq_len)
+        self.rows = min(micro_batch_size, self.windows)
+        self.count = _ceil_div(_ceil_div(self.windows, self.rows), world_size)  # batches per rank, padding included
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
+        import torch
+
+        from nanopt.model.transformer import IGNORE_INDEX
+
         if not -self.count <= index < self.count:
             raise IndexError(index)
         index %= self.count
-        first = (index * self.world_size + self.rank) * self.micro_batch_size
-        starts = np.arange(first, first + self.micro_batch_size, dtype=np.int64) * self.seq_len
-        return _to_tensors(self.stream.windows(starts, self.seq_len + 1))
-
-    @property
-    def tokens(self) -> int:
-        """Target tokens on this rank."""
-        return self.count * self.micro_batch_size * self.seq_len
+        first = (index * self.world_size + self.rank) * self.rows
+        inputs = np.zeros((self.rows, self.seq_len), dtype=np.int64)
+        targets = np.full((self.rows, self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        tokens = np.empty(self.seq_len + 1, dtype=np.int64)
+        for row, window in enumerate(range(first, min(first + self.rows, self.windows))):
+            start = window * self.seq_len
+            scored = min(self.seq_len, self.targets - start)
+            self.stream.read(start, tokens[:scored + 1])
+            inputs[row, :scored], targets[row, :scored] = tokens[:scored], tokens[1:scored + 1]
+        return torch.from_numpy(inputs), torch.from_numpy(targets)

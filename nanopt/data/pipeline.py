@@ -395,7 +395,7 @@ def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run,
     warnings = [f"split '{name}' is empty: raise --{name}-fraction or give more documents (text files: "
                 f"--sample-by paragraph)" for name in HELD_OUT if not splits[name]["documents"]
                 and settings[f"{name}_fraction"] > 0]
-    warnings += _budget_warnings(budget) + _eval_batch_warnings(splits, evaluation)
+    warnings += _budget_warnings(budget) + _eval_window_warnings(splits, evaluation)
     warnings += [f"leftover {p} from an interrupted run: delete it" for p in leftover_staging_dirs(out)]
     undecodable = meta["source"].get("undecodable_bytes_by_file", {})
     if undecodable:
@@ -409,7 +409,7 @@ def _summary(out: Path, meta: dict[str, Any], seconds: float, run: _Run,
             "tokens_per_second": round(tokens / encode_seconds, 1),
             "documents_per_second": round(documents / encode_seconds, 1), **run.extra(),
             "undecodable_bytes": sum(undecodable.values()), "budget": budget, "warnings": warnings,
-            "notes": _held_out_notes(splits, settings, evaluation)}
+            "notes": _held_out_notes(splits, settings)}
 
 
 def _budget(settings: dict[str, Any], train_tokens: int) -> dict[str, Any] | None:
@@ -432,30 +432,25 @@ def _budget_warnings(budget: dict[str, Any] | None) -> list[str]:
             f"{budget['as_given'] or asked}); {repeats}"]
 
 
-def _eval_batch_warnings(splits: dict[str, dict[str, Any]], evaluation: RunEval | None) -> list[str]:
-    """With --run: a held-out split (not empty: that has its own warning) too small for one of its evaluation
-    batches, which in-loop evaluation (val) and `nanopt eval` (test) need."""
+def _eval_window_warnings(splits: dict[str, dict[str, Any]], evaluation: RunEval | None) -> list[str]:
+    """With --run: a held-out split (not empty: that has its own warning) shorter than one of the run's evaluation
+    windows, so that in-loop evaluation (val) or `nanopt eval` (test) has nothing to score."""
     if evaluation is None:
         return []
-    return [f"split '{name}' has {tokens:,} tokens, fewer than one evaluation batch of {evaluation.run} needs "
-            f"({evaluation.describe_batch()}): raise --{name}-tokens or --{name}-fraction, give more documents, or "
-            "lower micro_batch_size or seq_len" for name in HELD_OUT
-            if 0 < (tokens := splits[name]["tokens"]) < evaluation.batch_tokens]
+    return [f"split '{name}' has {tokens:,} tokens, fewer than one evaluation window of {evaluation.run} "
+            f"({evaluation.describe_window()}): raise --{name}-tokens or --{name}-fraction, give more documents, or "
+            "lower seq_len" for name in HELD_OUT
+            if 0 < (tokens := splits[name]["tokens"]) < evaluation.window_tokens]
 
 
-def _held_out_notes(splits: dict[str, dict[str, Any]], settings: dict[str, Any],
-                    evaluation: RunEval | None) -> list[str]:
-    """A held-out split short of its target: the corpus is small. Without --run, also what evaluation batches it
-    can feed (one needs micro_batch_size x seq_len + 1 tokens)."""
+def _held_out_notes(splits: dict[str, dict[str, Any]], settings: dict[str, Any]) -> list[str]:
+    """A held-out split short of its target: the corpus is small, and evaluation scores all of that split."""
     notes = []
     for name in HELD_OUT:
         tokens, target = splits[name]["tokens"], settings[f"{name}_tokens"]
         if not tokens or target is None or tokens >= target:
             continue
-        note = (f"{name} has {tokens:,} tokens, short of its {target:,}-token target: the corpus is small, and {name} "
-                f"takes at most {settings[f'{name}_fraction']:.1%} of its documents (--{name}-fraction)")
-        if evaluation is None:
-            note += (f"; it feeds evaluation batches of up to {tokens - 1:,} tokens (micro_batch_size x seq_len; "
-                     "--run runs/NAME checks a run's)")
-        notes.append(note)
+        notes.append(f"{name} has {tokens:,} tokens, short of its {target:,}-token target: the corpus is small, and "
+                     f"{name} takes at most {settings[f'{name}_fraction']:.1%} of its documents (--{name}-fraction); "
+                     "evaluation scores all of it")
     return notes

@@ -31,20 +31,19 @@ MAX_SAMPLE_MIB = 1 << 20
 
 @dataclass(frozen=True)
 class RunEval:
-    """What the run given with --run evaluates: its eval_tokens, and one evaluation batch on one rank
-    (micro_batch_size windows of seq_len + 1 tokens at stride seq_len, as nanopt.data.loader.eval_batches cuts)."""
+    """What the run given with --run evaluates: its eval_tokens, in windows of seq_len + 1 tokens at stride seq_len
+    (nanopt.data.loader.eval_batches); a split shorter than one window cannot be evaluated at all."""
 
     run: str
     eval_tokens: int
-    micro_batch_size: int
     seq_len: int
 
     @property
-    def batch_tokens(self) -> int:
-        return self.micro_batch_size * self.seq_len + 1
+    def window_tokens(self) -> int:
+        return self.seq_len + 1
 
-    def describe_batch(self) -> str:
-        return f"micro_batch_size {self.micro_batch_size} x seq_len {self.seq_len} + 1 = {self.batch_tokens:,}"
+    def describe_window(self) -> str:
+        return f"seq_len {self.seq_len} + 1 = {self.window_tokens:,}"
 
 
 def run_eval(run_dir: Path | str | None) -> RunEval | None:
@@ -52,7 +51,7 @@ def run_eval(run_dir: Path | str | None) -> RunEval | None:
     if run_dir is None:
         return None
     run = load_run(run_dir)
-    return RunEval(str(run_dir), run.train.eval_tokens, run.train.micro_batch_size, run.seq_len)
+    return RunEval(str(run_dir), run.train.eval_tokens, run.seq_len)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Held-out loss over a split, computed on every rank and all-reduced, so ranks always agree.
 
-The number of batches is decided before any rank starts (the loader gives every rank the same count), so no
-rank can reach a collective that another skips.
+The batches come from nanopt.data.loader.eval_batches: the same evaluated tokens on any number of ranks and any
+micro-batch size, dealt out so that every rank runs the same number of forward passes (a sharded model's forward
+pass is a collective). Targets equal to IGNORE_INDEX (padding) are run but not scored, and the only collective
+here is one all-reduce after the last batch, so no rank can reach a collective that another skips.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from nanopt.model.transformer import IGNORE_INDEX
 from nanopt.runtime import Runtime, all_reduce_sum_
 
 
 @dataclass(frozen=True)
 class LossResult:
-    loss: float  # mean nats per token over all ranks
-    tokens: int
+    loss: float  # mean nats per scored token over all ranks
+    tokens: int  # targets scored over all ranks
 
     @property
     def perplexity(self) -> float:
@@ -28,18 +31,19 @@ class LossResult:
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, rt: Runtime,
                   batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> LossResult:
-    """Token-weighted mean cross-entropy over this rank's batches, summed over all ranks."""
+    """Token-weighted mean cross-entropy over the scored targets of every rank's batches."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # (sum of losses x tokens, tokens)
     for inputs, targets in batches:
+        scored = int((targets != IGNORE_INDEX).sum())  # on the CPU tensor: no device sync
         inputs = inputs.to(rt.device, non_blocking=True)
         targets = targets.to(rt.device, non_blocking=True)
         with rt.autocast():
-            loss = model(inputs, targets)
-        count = targets.numel()
-        totals[0] += loss.double() * count
-        totals[1] += count
+            loss = model(inputs, targets)  # the mean over scored targets; NaN (0 / 0) for a batch of padding
+        if scored:  # a batch of padding still ran its forward pass, for the collectives inside a sharded model
+            totals[0] += loss.double() * scored
+            totals[1] += scored
     all_reduce_sum_(rt, totals)
     model.train(was_training)
     tokens = int(totals[1].item())

@@ -1,9 +1,10 @@
 """Evaluate a trained checkpoint: loss, perplexity and bits per byte on the held-out test split, plus samples.
 
 The test split is never read by training (train split) or its in-loop evaluation (val split), so its loss is the
-number to compare runs by. It is measured on a fixed slice: the first `tokens` tokens of the split (all of it if
-smaller), cut into the loader's seq_len windows, so every evaluation of a checkpoint reads the same tokens on any
-number of ranks (when the count divides evenly; see nanopt.data.loader.eval_batches).
+number to compare runs by. It is measured on a fixed slice: the split's first `tokens` targets (every token but
+the first with `all`, or when the split is smaller), cut into the loader's seq_len windows, the last one partial, so
+every evaluation of a checkpoint scores the same tokens on any number of ranks and any micro-batch size (see
+nanopt.data.loader.eval_batches). The result says how many tokens were scored, of how many in the split.
 
 Bits per byte = loss (nats per token) / ln 2 / (UTF-8 bytes per token of the split). It does not depend on the
 tokenizer, so it compares runs whose tokenizers differ; loss and perplexity only compare runs sharing one.
@@ -26,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import MAX_MODEL_DIMENSION
-from nanopt.data.loader import eval_batches
-from nanopt.errors import CheckpointError
+from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
+from nanopt.errors import CheckpointError, ConfigError
 from nanopt.evaluate.loss import evaluate_loss
-from nanopt.evaluate.samples import SampleSettings, generate_samples
+from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
 from nanopt.model.flops import count_params
 from nanopt.parsing import INT64_MAX, check_option, save_json
@@ -53,6 +54,7 @@ class EvalOptions:
     tokens: int | None = DEFAULT_EVAL_TOKENS  # test tokens over all ranks, capped by the split's size; None: all
     micro_batch_size: int | None = None  # default: the run's micro_batch_size
     samples: SampleSettings | None = field(default_factory=SampleSettings)  # None: no generation
+    loss: bool = True  # False: samples only, which need no dataset when the checkpoint carries its tokenizer
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
 
     def __post_init__(self) -> None:
@@ -62,6 +64,8 @@ class EvalOptions:
         # Upper bounds far past any real evaluation: a value beyond one is a typo (a micro-batch or a generation
         # of 2**63 would allocate until killed), and NaN would reach the sampler as a crash.
         hint = "see `nanopt eval --help`"
+        if not self.loss and self.samples is None:
+            raise ConfigError("--no-loss with --no-samples: nothing to evaluate", "drop one of the two")
         check_option("--tokens", self.tokens, 1, INT64_MAX, "a token count such as 1M, or all")
         check_option("--micro-batch-size", self.micro_batch_size, 1, MAX_EVAL_MICRO_BATCH, hint)
         if self.samples is not None:
@@ -101,14 +105,17 @@ def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progres
 
 
 def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progress) -> dict[str, Any]:
-    trained = open_trained(run_dir, opts.checkpoint, opts.data)
+    trained = open_trained(run_dir, opts.checkpoint, opts.data, for_loss=opts.loss)
+    if opts.samples:  # a prompt that cannot be continued fails now, before the evaluation
+        check_prompts_fit(trained.tokenizer(), opts.samples, trained.run.model.max_position_embeddings)
+    if not opts.loss:
+        return sample_run(rt, run_dir, trained, opts.samples)
     # The run's own precision setting, so test and in-loop validation losses are measured alike.
     rt = replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device))
     micro_batch_size = opts.micro_batch_size or trained.run.train.micro_batch_size
     batches = eval_batches(trained.dataset, SPLIT, trained.run.seq_len, micro_batch_size, rt.rank, rt.world_size,
-                           opts.tokens or trained.dataset.split_tokens(SPLIT))
-    settings = eval_settings(trained, rt, opts, tokens=len(batches) * micro_batch_size * trained.run.seq_len
-                             * rt.world_size)
+                           opts.tokens)
+    settings = eval_settings(trained, rt, opts, tokens=batches.targets)
     if opts.reuse:
         previous = broadcast_object(rt, previous_result(trained.checkpoint, settings) if rt.is_main else None)
         if previous is not None:
@@ -118,14 +125,17 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     started = time.perf_counter()
     loss = evaluate_loss(model, rt, _tracked(batches, progress, f"{run_dir} {trained.checkpoint.path.name}"))
     seconds = time.perf_counter() - started
-    samples = generate_samples(model, trained.dataset, opts.samples) if opts.samples and rt.is_main else []
+    samples = []
+    if opts.samples and rt.is_main:
+        samples = generate_samples(model, trained.tokenizer(), trained.eos_id, opts.samples)
     bytes_per_token = trained.dataset.bytes_per_token(SPLIT)
     result = {
         "run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
         "dataset": str(trained.dataset.path), "split": SPLIT,
         "test_loss": loss.loss, "perplexity": loss.perplexity,
         "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "tokens": loss.tokens,
-        "bytes_per_token": bytes_per_token, **training_record(trained),
+        "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token,
+        **training_record(trained),
         "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": settings,
         "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
         "precision": rt.precision, "eval_seconds": seconds,
@@ -133,6 +143,17 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     }
     write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, RunDir(run_dir).eval_json])
     return result
+
+
+def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, settings: SampleSettings) -> dict[str, Any]:
+    """Samples only (`--no-loss`): nothing is measured, so no eval.json is written, which comparisons would read as
+    a measurement. The dataset is None unless --data named one (an old checkpoint's tokenizer comes from it)."""
+    model = load_model(trained, rt.device)
+    samples = generate_samples(model, trained.tokenizer(), trained.eos_id, settings) if rt.is_main else []
+    return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
+            "dataset": str(trained.dataset.path) if trained.dataset else None, "test_loss": None,
+            "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": {"samples": asdict(settings)},
+            "device": str(rt.device)}
 
 
 def write_result(rt: Runtime, result: dict[str, Any], paths: list[Path]) -> None:
@@ -166,11 +187,13 @@ def _tracked(batches: Sequence, progress: Progress, description: str) -> Iterato
 def eval_settings(trained: TrainedModel, rt: Runtime, opts: EvalOptions, tokens: int) -> dict[str, Any]:
     """Everything that determines an eval.json's numbers and samples: the key under which one is reused.
 
-    The evaluated windows are the first `tokens` / seq_len of the split whatever the micro-batch and world size,
-    so those two are not part of the key.
+    The scored tokens are the split's first `tokens` targets whatever the micro-batch and world size, so those two
+    are not part of the key; the rule that picks them is (`slice`), so a result made under an earlier rule (which
+    trimmed the slice to the world size) is recomputed, never reused as if comparable.
     """
     settings = {
-        "split": SPLIT, "weights_sha256": trained.checkpoint.meta.get("files", {}).get("model.safetensors"),
+        "split": SPLIT, "slice": EVAL_SLICE_VERSION,
+        "weights_sha256": trained.checkpoint.meta.get("files", {}).get("model.safetensors"),
         "data_fingerprint": data_fingerprint(trained.dataset),
         "tokenizer_sha256": tokenizer_identity(trained.dataset)[1], "seq_len": trained.run.seq_len,
         "max_tokens": opts.tokens, "tokens": tokens, "precision": rt.precision,

@@ -1,48 +1,118 @@
-"""Opening a trained checkpoint for evaluation, sampling or export: its config snapshot, its weights, and a
-dataset whose tokenizer is the one it was trained with.
+"""Opening a trained checkpoint for evaluation, sampling or export: its config snapshot, its weights, its
+tokenizer, and a dataset made with that tokenizer when one is needed or asked for.
 
-A checkpoint is rebuilt from its own config snapshot (not today's model.json), and may be used with any dataset
-made with the tokenizer it was trained with: the tokenizer.json sha256 the checkpoint records (older checkpoints:
-the training dataset's tokenizer.json, when it is still there). The dataset's tokenizer is parsed when it is
-opened, so an unreadable one fails before the evaluation or export runs.
+A checkpoint is rebuilt from its own config snapshot (not today's model.json). It carries the tokenizer.json it was
+trained with (verified by sha256 with its other files) and the EOS id, so sampling and export need no dataset; the
+test loss needs one, which may be any dataset made with that tokenizer (compared by sha256). Checkpoints written
+before they carried the tokenizer take it from a dataset, as they always did: the training dataset or --data,
+compared by the sha256 they record (older still: with the training dataset's tokenizer.json, when it is there).
+A tokenizer is parsed when it is opened, so an unreadable one fails before the evaluation or export runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nanopt.config import RunConfig, TrainConfig, model_config_from_snapshot
 from nanopt.data.dataset import TokenDataset, check_compatible, open_run_dataset
+from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
-from nanopt.parsing import from_dict
+from nanopt.parsing import from_dict, path_kind
 from nanopt.train.checkpoint import Checkpoint, load_model_state, resolve
+
+DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """A checkpoint, the run configuration it was trained with, and the dataset to use it with."""
+    """A checkpoint, the run configuration it was trained with, its tokenizer, and a dataset when one is open."""
 
     run: RunConfig  # from the checkpoint's config snapshot
     checkpoint: Checkpoint
-    dataset: TokenDataset
-    tokenizer_check: str  # how the dataset's tokenizer was checked against the training data's
+    dataset: TokenDataset | None  # open when the loss needs one or --data named one
+    tokenizer_path: Path  # the checkpoint's own tokenizer.json (older checkpoints: the dataset's)
+    eos_id: int  # the id that separates documents, from the checkpoint (older checkpoints: the dataset)
+    tokenizer_check: str  # how the tokenizer was checked against the one the run trained with
+    _tokenizer: Any = field(repr=False, compare=False)
+
+    def tokenizer(self) -> Any:
+        """The parsed tokenizers.Tokenizer (read when the checkpoint was opened)."""
+        return self._tokenizer
 
 
-def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None) -> TrainedModel:
-    """Resolve and verify a checkpoint; open its training dataset, or `data` if it has the same tokenizer."""
+def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None, *,
+                 for_loss: bool = True) -> TrainedModel:
+    """Resolve and verify a checkpoint and read its tokenizer. A dataset is opened when `data` names one (it must
+    use the checkpoint's tokenizer), or, without `data`, the training dataset when the loss needs it (`for_loss`)
+    or the checkpoint is too old to carry its tokenizer."""
     run_dir = Path(run_dir)
     check_run_directory(run_dir)
     ckpt = resolve(run_dir, which)
     run = run_config_from_snapshot(run_dir, ckpt)
-    dataset = TokenDataset.open(data) if data is not None else open_run_dataset(run)
-    dataset.tokenizer()  # samples and export need it: an unreadable file fails now, not after the work
+    carried = ckpt.tokenizer_path
+    dataset = _open_dataset(run, ckpt, data, for_loss)
+    if dataset is None:
+        return TrainedModel(run=run, checkpoint=ckpt, dataset=None, tokenizer_path=carried,
+                            eos_id=ckpt.meta["eos_id"], tokenizer_check=f"the tokenizer.json {ckpt.path.name} "
+                            "carries", _tokenizer=_read_carried_tokenizer(carried))
+    tokenizer = dataset.tokenizer()  # an unreadable file fails now, not after the work
     tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
-    return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_check=tokenizer_check)
+    # A carried tokenizer has the dataset's bytes (same sha256), so either parse serves.
+    return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_path=carried or dataset.tokenizer_path,
+                        eos_id=ckpt.meta["eos_id"] if carried else dataset.eos_id, tokenizer_check=tokenizer_check,
+                        _tokenizer=tokenizer)
+
+
+def _open_dataset(run: RunConfig, ckpt: Checkpoint, data: Path | None, for_loss: bool) -> TokenDataset | None:
+    if data is not None:
+        return TokenDataset.open(_dataset_directory(Path(data), ckpt))
+    if not for_loss and ckpt.tokenizer_path is not None:
+        return None  # sampling and export use the checkpoint's own tokenizer
+    if path_kind(run.data_dir, DataError, DATASET_HINT) == "missing":
+        raise _no_dataset(run, ckpt)
+    return open_run_dataset(run)
+
+
+def _dataset_directory(data: Path, ckpt: Checkpoint) -> Path:
+    """--data names a dataset directory; a file, such as the tokenizer.json inside one, is refused with the
+    directory to pass instead."""
+    if path_kind(data, DataError, DATASET_HINT) == "file":
+        holder = data.parent
+        if is_dataset(holder):
+            hint = f"pass the dataset directory that holds it: --data {holder}"
+        elif ckpt.tokenizer_path is not None:
+            hint = f"{DATASET_HINT}, or leave --data out: {ckpt.path.name} carries its tokenizer"
+        else:
+            hint = DATASET_HINT
+        raise DataError(f"{data}: is a file; --data takes a dataset directory", hint)
+    return data
+
+
+def _no_dataset(run: RunConfig, ckpt: Checkpoint) -> DataError:
+    """The training dataset is gone (deleted or moved) and a dataset is needed: for the loss, or for the tokenizer
+    of a checkpoint that does not carry one."""
+    where = f"the dataset it trained on is not at {run.data_dir} (train.json 'data' then: {run.train.data!r})"
+    if ckpt.tokenizer_path is None:
+        return DataError(f"{ckpt.path} carries no tokenizer (written before checkpoints carried one), and {where}",
+                         "pass --data DIR, a dataset made with the run's tokenizer")
+    return DataError(f"{run.run_dir}: the test loss needs a dataset, and {where}",
+                     f"pass --data DIR, a dataset made with the run's tokenizer (`nanopt tokenize SOURCE --tokenizer "
+                     f"{ckpt.tokenizer_path} --out DIR`), or --no-loss for samples only")
+
+
+def _read_carried_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for any malformed file
+        raise CheckpointError(f"{path}: not a Hugging Face tokenizers file ({exc})", "use another checkpoint") from None
 
 
 def check_run_directory(run_dir: Path) -> None:
@@ -89,8 +159,9 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
     recorded = ckpt.meta.get("tokenizer_sha256")
     if isinstance(recorded, str):
         if dataset.tokenizer_sha256 != recorded:
-            raise _another_tokenizer(run, dataset, f"tokenizer.json sha256 {dataset.tokenizer_sha256[:12]} vs "
-                                                   f"{recorded[:12]} recorded in {ckpt.path.name}", own)
+            difference = (f"tokenizer.json sha256 {dataset.tokenizer_sha256[:12]} vs {recorded[:12]} recorded in "
+                          f"{ckpt.path.name}")
+            raise _another_tokenizer(run, ckpt, dataset, difference, own)
         return ("the run's own dataset" if own else "same tokenizer") + (
             f" (tokenizer.json sha256 as recorded in {ckpt.path.name})")
     # A checkpoint written before nanopt recorded the tokenizer's hash: compare with the training dataset.
@@ -102,22 +173,25 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
         return f"vocabulary size only (the training dataset {trained_path} is not available)"
     expected, found = tokenizer_identity(trained_on), tokenizer_identity(dataset)
     if expected != found:
-        raise _another_tokenizer(run, dataset, f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 "
-                                               f"{found[1][:12]} vs {expected[1][:12]}", own)
+        difference = (f"vocabulary {found[0]:,} vs {expected[0]:,}, tokenizer.json sha256 {found[1][:12]} vs "
+                      f"{expected[1][:12]}")
+        raise _another_tokenizer(run, ckpt, dataset, difference, own)
     return f"same tokenizer as {trained_path} (vocabulary size and tokenizer.json sha256)"
 
 
-def _another_tokenizer(run: RunConfig, dataset: TokenDataset, difference: str, own: bool) -> DataError:
+def _another_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset, difference: str,
+                       own: bool) -> DataError:
     trained_path = run.data_dir
+    original = ckpt.tokenizer_path or trained_path / "tokenizer.json"
     if own:  # the training dataset's path now holds another dataset: its tokenizer.json is not the one to use
         return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on: it was "
                          f"re-made since training ({difference})",
-                         "re-create it with the run's original tokenizer.json: `nanopt tokenize SOURCE --tokenizer "
-                         "ORIGINAL/tokenizer.json --out DIR`, then pass --data DIR")
+                         f"re-create it with the run's original tokenizer.json: `nanopt tokenize SOURCE --tokenizer "
+                         f"{ckpt.tokenizer_path or 'ORIGINAL/tokenizer.json'} --out DIR`, then pass --data DIR")
     return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on "
                      f"({trained_path}): {difference}",
                      f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
-                     f"{trained_path / 'tokenizer.json'} --out DIR`, then pass --data DIR")
+                     f"{original} --out DIR`, then pass --data DIR")
 
 
 def load_model(trained: TrainedModel, device: torch.device) -> Transformer:

@@ -10,7 +10,8 @@ tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM
 
 config.json carries both spellings that differ between transformers 4 and 5 (`torch_dtype` / `dtype`,
 `rope_theta` / `rope_parameters`), so either major version reads it. The directory is built beside `out_dir` and
-renamed into place, so a failed export leaves nothing half-written.
+renamed into place, so a failed export leaves nothing half-written. It and its files get the permissions a plain
+mkdir() / open() gives (0777 / 0666 minus the umask), so others on a shared machine can load the export.
 
 `force` replaces an earlier export and nothing else: a directory is an export when it holds config.json and
 model.safetensors and no entry but the files listed in EXPORT_FILES. The run directory, anything that contains it
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.rundir import RunDir
+from nanopt.train.checkpoint import save_tensors
 
-END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # Every file an export holds; an existing directory with anything else in it is not replaced.
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json")
@@ -60,7 +61,7 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_j
         tokenizer_files, eos_id = _tokenizer_files(Path(tokenizer_json), model_cfg, eos_id)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    staging = _new_sibling(out_dir, "partial")
     try:
         _write_json(staging / "config.json", hf_config(model_cfg, eos_id))
         _save_safetensors(hf_state, staging / "model.safetensors")
@@ -225,10 +226,8 @@ def _few(keys: list[str]) -> str:
 
 
 def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
-    save_file(state, str(path), metadata={"format": "pt"})
+    save_tensors(state, path, metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -267,14 +266,9 @@ def _end_of_text_token(tokenizer: Any, eos_id: int | None, path: Path) -> str:
         if token is None:
             raise DataError(f"{path}: EOS id {eos_id} is not in the tokenizer", "pass the dataset's EOS id")
         return token
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    for name in END_OF_TEXT_NAMES:
-        if name in vocab:
-            return name
-    special = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    if special:
-        return special[0]
-    raise DataError(f"{path}: no end-of-text token found", "pass eos_id, the id that separates documents")
+    from nanopt.data.tokenizer import find_eos
+
+    return find_eos(tokenizer, str(path))[0]  # the rule `nanopt tokenize` follows
 
 
 # ---------------------------------------------------------------------------------------------- the files
@@ -349,7 +343,7 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
     if not out_dir.exists():
         staging.rename(out_dir)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old = _new_sibling(out_dir, "old")
     old.rmdir()  # only the unique name is wanted; rename needs the target not to exist
     out_dir.rename(old)
     try:
@@ -358,6 +352,18 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
         old.rename(out_dir)
         raise
     _discard_export(old)
+
+
+def _new_sibling(out_dir: Path, kind: str) -> Path:
+    """A new empty directory beside out_dir with a unique hidden name. Made with mkdir, not tempfile.mkdtemp: the
+    staging directory becomes the export, and mkdtemp's 0700 would keep everyone else on the machine out of it."""
+    while True:
+        path = out_dir.parent / f".{out_dir.name}.{kind}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:  # 2**32 names: another export's, taken by chance
+            continue
 
 
 def _discard_export(path: Path) -> None:

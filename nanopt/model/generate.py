@@ -2,7 +2,7 @@
 
 `generate` is reproducible: a torch.Generator seeded with `seed` drives every random draw, so the same model,
 prompt and settings give the same tokens. `use_cache=False` recomputes the whole prefix at every step; it is the
-slow reference that the cached path must agree with.
+slow reference that the cached path must agree with. `stop_reason` says why a generation ended.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ import torch
 from torch import Tensor
 
 from nanopt.model.transformer import Transformer
+
+# Why a generation ended: it emitted the end-of-text token, it produced the tokens asked for, or the prompt and its
+# continuation filled the model's max_position_embeddings.
+STOPPED_AT_EOS, STOPPED_AT_MAX_NEW_TOKENS, STOPPED_AT_CONTEXT_LIMIT = "eos", "max_new_tokens", "context_limit"
 
 
 def generate(model: Transformer, prompt_ids: list[int] | Tensor, max_new_tokens: int, temperature: float = 0.8,
@@ -25,7 +29,8 @@ def generate(model: Transformer, prompt_ids: list[int] | Tensor, max_new_tokens:
 
     The context never exceeds the model's max_position_embeddings: a longer prompt is cropped to its last
     max_position_embeddings - 1 tokens, and generation stops early when the sequence reaches
-    max_position_embeddings tokens (no sliding window), so fewer than max_new_tokens may come back.
+    max_position_embeddings tokens (no sliding window), so fewer than max_new_tokens may come back
+    (`stop_reason` tells). Callers that take prompts from a person check that they fit first (nanopt eval does).
 
     Pass the plain model (not a DDP / FSDP wrapper). It runs in eval mode under inference_mode; its previous
     train / eval mode is restored afterwards.
@@ -45,6 +50,16 @@ def generate(model: Transformer, prompt_ids: list[int] | Tensor, max_new_tokens:
             return _sample_loop(next_logits, prompt, budget, temperature, top_k, eos_id, generator)
     finally:
         model.train(was_training)
+
+
+def stop_reason(new_ids: list[int], max_new_tokens: int, eos_id: int | None) -> str:
+    """Why `generate` returned `new_ids`: it stops after eos_id, after max_new_tokens tokens, or, with fewer and
+    no eos_id, because the sequence filled the context."""
+    if new_ids and new_ids[-1] == eos_id:
+        return STOPPED_AT_EOS
+    if len(new_ids) >= max_new_tokens:
+        return STOPPED_AT_MAX_NEW_TOKENS
+    return STOPPED_AT_CONTEXT_LIMIT
 
 
 def _check_settings(max_new_tokens: int, temperature: float, top_k: int | None) -> None:

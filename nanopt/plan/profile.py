@@ -185,7 +185,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
     compiled = resolve_compile(run.train.compile, rt.device)
     if compiled:
         torch._dynamo.utils.counters.clear()  # count this run's graphs and breaks only
-    session = build_session(run, rt, writes=False, check_data_budget=False)
+    session = build_session(run, rt, writes=False)
     loader = TimedLoader(session.loader)
     session.loader = loader
     out_dir = Path(opts.out_dir or RunDir(run.run_dir).profile_dir)

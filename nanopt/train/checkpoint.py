@@ -3,15 +3,18 @@
     checkpoints/step-000600/
       model.safetensors       the unwrapped model's weights (tied weights once)
       optimizer.safetensors   AdamW moments and step counts, flattened as "<param fqn>/<state name>"
+      tokenizer.json          the exact tokenizer the run trained with, so eval, export and sampling need no
+                              dataset (checkpoints from before it was carried lack it: their dataset has it)
       meta.json               step, tokens, every rank's loader and RNG state, config snapshot, metrics,
-                              optimizer param groups, sha256 of both files; written last
+                              optimizer param groups, the EOS id, sha256 of every file; written last
     checkpoints/latest        a one-line file naming the newest complete checkpoint, replaced atomically
     checkpoints/best          the same for the lowest validation loss
 
 A checkpoint is assembled in `.tmp-step-N/` and renamed into place, so a killed process leaves either the
 old set of checkpoints or the new one. Weights and optimizer state are full (unsharded) tensors gathered
 with torch.distributed.checkpoint's state-dict API, so DDP, FSDP and single-process runs read each other's
-checkpoints. No pickle: tensors in safetensors, everything else JSON.
+checkpoints. No pickle: tensors in safetensors, everything else JSON. Every file gets the permissions a plain
+open() / mkdir() gives (0666 / 0777 minus the umask), so others on a shared machine can read a run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,8 @@ from nanopt.rundir import RunDir, step_dir_name
 
 FORMAT_VERSION = 1
 STEP_NAME = re.compile(r"step-(\d+)")
+_FILES = ("model.safetensors", "optimizer.safetensors")  # in every checkpoint
+TOKENIZER_FILE = "tokenizer.json"  # in those written since checkpoints carry their tokenizer
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,12 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.meta["step"])
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer.json this checkpoint carries (verified with the other files), or None for a checkpoint
+        written before checkpoints carried one."""
+        return self.path / TOKENIZER_FILE if TOKENIZER_FILE in self.meta["files"] else None
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -62,8 +74,11 @@ def sha256(path: Path) -> str:
 
 
 def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
-                     optimizer_state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write one checkpoint atomically (rank 0 only). Raises CheckpointError if the disk refuses."""
+                     optimizer_state: dict[str, Any], meta: dict[str, Any], tokenizer: Path | None = None) -> Path:
+    """Write one checkpoint atomically (rank 0 only). Raises CheckpointError if the disk refuses.
+
+    `tokenizer` (the dataset's tokenizer.json) is copied in when it is still the file meta's `tokenizer_sha256`
+    names, so the checkpoint is usable without the dataset."""
     root = checkpoints_dir(run_dir)
     final = RunDir(run_dir).step_dir(step)
     tmp = root / f".tmp-{final.name}"
@@ -71,10 +86,12 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(_contiguous(model_state), str(tmp / "model.safetensors"))
+        save_tensors(_contiguous(model_state), tmp / "model.safetensors")
         tensors, groups = flatten_optimizer_state(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        files = {name: sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
+        save_tensors(tensors, tmp / "optimizer.safetensors")
+        files = {name: sha256(tmp / name) for name in _FILES}
+        if tokenizer is not None and _copy_tokenizer(tokenizer, tmp / TOKENIZER_FILE, meta.get("tokenizer_sha256")):
+            files[TOKENIZER_FILE] = meta["tokenizer_sha256"]
         full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
                      "files": files}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1), encoding="utf-8")
@@ -90,6 +107,37 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
         reason = getattr(exc, "strerror", None) or exc
         raise CheckpointError(f"could not write checkpoint {final}: {reason}", hint) from None
     return final
+
+
+def _copy_tokenizer(source: Path, target: Path, expected_sha256: str | None) -> bool:
+    """Copy the tokenizer training used. False, and no copy, when `source` is no longer that file (its dataset was
+    re-made at the same path during training): a checkpoint must never carry another tokenizer than its own."""
+    shutil.copyfile(source, target)
+    if sha256(target) == expected_sha256:
+        return True
+    target.unlink()
+    return False
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file with the permissions a plain open() gives it: safetensors writes
+    through a private temporary file (0600) renamed into place, and weights that only their owner can read are
+    useless to the rest of a team sharing the machine."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, plain_file_mode(path.parent))
+
+
+def plain_file_mode(directory: Path) -> int:
+    """The permissions open() gives a new file in `directory` (0666 minus the umask, or what the directory's default
+    ACL says). Learnt from a probe file: reading the umask with os.umask means setting it, which races with other
+    threads creating files."""
+    probe = directory / f".permissions-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def _contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -219,7 +267,8 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointError(f"{path}: {name} is missing", "use another checkpoint")
         if sha256(file) != expected:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)", "use another checkpoint")
-        _check_safetensors(file)
+        if name != TOKENIZER_FILE:  # parsed by whoever uses it (nanopt.evaluate.trained), not needed to resume
+            _check_safetensors(file)
     return Checkpoint(path=path, meta=meta)
 
 
@@ -228,10 +277,7 @@ def verify(path: Path) -> Checkpoint:
 _REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "optimizer_param_groups": list,
              "world_size": int, "ranks": list, "config": dict}
 _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
-             "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None))}
-_FILES = ("model.safetensors", "optimizer.safetensors")
-
-
+             "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int}
 def check_meta(meta_path: Path, meta: Any) -> None:
     """CheckpointError unless meta.json has every field nanopt reads, each of the right type."""
     def bad(what: str) -> CheckpointError:
@@ -247,8 +293,12 @@ def check_meta(meta_path: Path, meta: Any) -> None:
             raise bad(f"'{key}' is {type(meta[key]).__name__} {str(meta[key])[:40]!r}")
     if meta["step"] < 0 or meta["tokens"] < 0 or meta["world_size"] < 1:
         raise bad("step, tokens or world_size out of range")
-    if sorted(meta["files"]) != sorted(_FILES) or not all(isinstance(v, str) for v in meta["files"].values()):
-        raise bad(f"'files' must name {' and '.join(_FILES)} with their sha256")
+    if set(meta["files"]) - {TOKENIZER_FILE} != set(_FILES) or not all(isinstance(v, str)
+                                                                       for v in meta["files"].values()):
+        raise bad(f"'files' must name {' and '.join(_FILES)} (and may name {TOKENIZER_FILE}) with their sha256")
+    if TOKENIZER_FILE in meta["files"] and (meta.get("tokenizer_sha256") != meta["files"][TOKENIZER_FILE]
+                                            or "eos_id" not in meta):
+        raise bad(f"a carried {TOKENIZER_FILE} needs its 'eos_id' and the same sha256 as 'tokenizer_sha256'")
     if not meta["ranks"] or not all(isinstance(r, dict) and isinstance(r.get("loader"), dict)
                                     and isinstance(r.get("rng"), dict) for r in meta["ranks"]):
         raise bad("'ranks' must list each rank's loader and RNG state")
@@ -311,7 +361,10 @@ def resolve(run_dir: Path, which: str) -> Checkpoint:
     """`latest` (the latest pointer, verified), `best`, or a path to a step directory; verified."""
     root = checkpoints_dir(run_dir)
     if which in ("latest", "auto"):
-        found, _ = latest(run_dir)
+        found, notes = latest(run_dir)
+        if found is None and notes:  # there are checkpoints, and none of them can be used: say why
+            raise CheckpointError(f"{run_dir}: no usable checkpoint: {notes[0]}",
+                                  "name another checkpoint, or move the damaged one aside and train again")
         if found is None:
             raise CheckpointError(f"{run_dir}: no complete checkpoint", f"train first: `nanopt train {run_dir}`")
         return found

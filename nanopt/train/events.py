@@ -18,6 +18,10 @@ class TrainObserver(Protocol):
 
     def log(self, record: dict[str, Any], total_steps: int) -> None: ...
 
+    def data_repeats(self, record: dict[str, Any]) -> None:
+        """The run will read its train split more than once: the `data_repeats` event of metrics.jsonl (split_tokens,
+        split_sequences, seq_len, run_tokens, epochs), heard once per run, before its first step."""
+
     def evaluated(self, step: int, loss: float) -> None: ...
 
     def stop(self) -> None: ...
@@ -36,6 +40,9 @@ class Silent:
         pass
 
     def log(self, record: dict[str, Any], total_steps: int) -> None:
+        pass
+
+    def data_repeats(self, record: dict[str, Any]) -> None:
         pass
 
     def evaluated(self, step: int, loss: float) -> None:

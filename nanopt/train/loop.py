@@ -22,7 +22,7 @@ from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.events import TrainObserver
 from nanopt.train.lock import RunLock, RunLocked
-from nanopt.train.metrics import write_loss_chart
+from nanopt.train.metrics import read_metrics, write_loss_chart
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint
 from nanopt.train.session import Session, TrainOptions, build_session
@@ -121,7 +121,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     """A training session, resumed per `opts.resume`, writing metrics and checkpoints into the run directory.
 
     Everything that can be checked before the first step is checked here, so a mistake costs no training: the
-    validation split must feed one evaluation batch per rank when in-loop evaluation is on."""
+    validation split must hold one window of seq_len + 1 tokens when in-loop evaluation is on."""
     session = build_session(run, rt, opts, writes=True, observer=observer)
     if run.train.eval_interval:
         _validation_batches(session)
@@ -129,6 +129,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
     _announce(session)
+    _warn_if_data_repeats(session)
     return session
 
 
@@ -140,6 +141,24 @@ def _announce(s: Session) -> None:
         f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
         f"{s.accum} accumulation), {s.rt.device.type} {s.rt.precision}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
+
+
+def _warn_if_data_repeats(s: Session) -> None:
+    """Tell the person, once per run and before its first step, that it reads its train split more than once, and
+    record it in metrics.jsonl: the event (at the step the run starts from) survives every resume, so a run
+    resumed again and again is not told again, and whoever reads the metrics later sees it. A budget raised on
+    resume (--allow-changed) reads another number of tokens, so it is said again. Rank 0 only: it alone reads and
+    writes metrics.jsonl, and no collective depends on this."""
+    epochs = s.loader.epochs_at(s.total_steps)
+    if not s.rt.is_main or epochs <= 1 or s.state.step >= s.total_steps:  # a complete run writes nothing
+        return
+    record = {"split_tokens": s.dataset.split_tokens("train"), "split_sequences": s.loader.num_windows,
+              "seq_len": s.run.seq_len, "run_tokens": s.run.total_tokens, "epochs": epochs}
+    if any(r.get("event") == "data_repeats" and r.get("run_tokens") == record["run_tokens"]
+           for r in read_metrics(s.run.run_dir)):
+        return
+    s.metrics.write("event", step=s.state.step, event="data_repeats", **record)
+    s.observer.data_repeats(record)
 
 
 # -------------------------------------------------------------------------------------------------- loop
@@ -201,9 +220,9 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     elapsed = max(now - window.time, 1e-9)
     tokens_per_s = (st.tokens - window.tokens) / elapsed
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
-    record = {"step": st.step, "tokens": st.tokens, "loss": loss, "lr": s.optimizer.param_groups[0]["lr"],
-              "grad_norm": norm, "tokens_per_s": tokens_per_s, "mfu": utilization,
-              "mfu_note": mfu_note(utilization, s.peak_flops),
+    record = {"step": st.step, "tokens": st.tokens, "epoch": s.loader.epochs_at(st.step), "loss": loss,
+              "lr": s.optimizer.param_groups[0]["lr"], "grad_norm": norm, "tokens_per_s": tokens_per_s,
+              "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak()}
     s.metrics.write("train", **record)
@@ -227,7 +246,7 @@ def maybe_eval(s: Session) -> None:
         return
     batches = _validation_batches(s)
     result = evaluate_loss(s.prepared.model, s.rt, batches)
-    st.last_val_loss = result.loss
+    st.last_val_loss, st.val_step = result.loss, st.step
     if st.best_val_loss is None or result.loss < st.best_val_loss:
         st.best_val_loss = result.loss
     s.metrics.write("eval", step=st.step, tokens=st.tokens, val_loss=result.loss, val_tokens=result.tokens,
@@ -258,6 +277,7 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     summary = {
         "run": str(s.run.run_dir), "steps": st.step, "total_steps": s.total_steps, "tokens": st.tokens,
+        "epochs": s.loader.epochs_at(st.step),
         "tokens_this_session": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
         "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
         "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,

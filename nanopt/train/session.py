@@ -63,16 +63,16 @@ class Session:
 
 
 def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None, *, writes: bool = False,
-                  check_data_budget: bool = True, observer: TrainObserver | None = None) -> Session:
+                  observer: TrainObserver | None = None) -> Session:
     """Dataset, model, parallel wrapping, optimizer and loader at step 0, exactly as training uses them.
 
     With writes=False nothing is written into the run directory: `find-batch` and `profile` measure the real
     training step through this without touching a run's metrics or checkpoints. The observer hears from rank 0
-    only.
+    only. A budget beyond one pass over the train split is fine: the loader reshuffles each epoch, and the training
+    loop warns that the data repeats.
     """
-    from nanopt.data.budget import tokens_to_train
     from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, open_run_dataset
-    from nanopt.data.loader import TrainLoader, check_budget, check_compatible
+    from nanopt.data.loader import TrainLoader, check_compatible
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
@@ -82,13 +82,13 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_dataset(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
     check_compatible(dataset, run.model.vocab_size)
-    if check_data_budget:
-        check_budget(dataset, "train", tokens_to_train(run))
+    # Before the model, so a split without one whole sequence (or with a bad token id in the first step) fails
+    # before any costly work. The loader draws nothing from the RNGs seeded below.
+    loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
+                         rt.world_size, run.train.seed)
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
-    loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
-                         rt.world_size, run.train.seed)
     peak, source = device_peak_flops(rt.device, rt.precision)
     return Session(
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,

@@ -23,6 +23,7 @@ class Counters:
     step: int = 0  # optimizer steps completed
     tokens: int = 0
     last_val_loss: float | None = None
+    val_step: int | None = None  # the step last_val_loss was measured at: a checkpoint is `best` only at that step
     best_val_loss: float | None = None
     skipped_steps: int = 0
     last_loss: float | None = None
@@ -58,13 +59,14 @@ class TrainState:
         c = self.counters
         return {"step": c.step, "tokens": c.tokens, "best_val_loss": c.best_val_loss,
                 "skipped_steps": c.skipped_steps, "ranks": rank_states,
-                "metrics": {"train_loss": c.last_loss, "val_loss": c.last_val_loss}}
+                "metrics": {"train_loss": c.last_loss, "val_loss": c.last_val_loss, "val_step": c.val_step}}
 
     def load_state_dict(self, meta: dict[str, Any], rank: int, world_size: int) -> None:
         metrics = meta.get("metrics") or {}
         self.counters.load_state_dict({
             "step": int(meta["step"]), "tokens": int(meta["tokens"]), "best_val_loss": meta.get("best_val_loss"),
             "skipped_steps": int(meta.get("skipped_steps", 0)), "last_val_loss": metrics.get("val_loss"),
+            "val_step": metrics.get("val_step"),
             "last_loss": metrics.get("train_loss")})
         ranks = meta["ranks"]
         self.loader.load_state_dict(ranks[min(rank, len(ranks) - 1)]["loader"])

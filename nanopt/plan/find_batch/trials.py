@@ -38,7 +38,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     baseline = probe.current()
     session, status, detail, times = None, "ok", "", []
     try:
-        session = build_session(run, rt, writes=False, check_data_budget=False)
+        session = build_session(run, rt, writes=False)
         for _ in range(steps):
             started = time.perf_counter()
             step(session)
