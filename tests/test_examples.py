@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,16 @@ def example_lines(text: str) -> list[str]:
     """The command lines of a block: continuation lines joined, only those that run nanopt."""
     lines = re.sub(r"\\\n\s*", " ", text).splitlines()
     return [line.strip() for line in lines if re.match(r"\s*(nanopt |torchrun .* -m nanopt )", line)]
+
+
+COPY = re.compile(r"^\s*cp -r (runs/\S+) (runs/\S+)", re.M)
+
+
+def copied_runs() -> dict[Path, Path]:
+    """Run directories a README block makes with `cp -r runs/demo runs/mine` (the "your own data" quickstart): the
+    copy, and the shipped run it copies, for its later examples."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return {Path(target): Path(source) for source, target in COPY.findall(text)}
 
 
 def cli_group() -> click.Group:
@@ -135,6 +146,7 @@ def available_before(example: Example) -> set[Path]:
 
 
 def is_available(path: Path, repository: set[Path], made: set[Path]) -> bool:
+    made = made | set(copied_runs())
     return path in repository or any(path == out or out in path.parents for out in made)
 
 
@@ -179,7 +191,13 @@ ESTIMATES = [e for e in EXAMPLES if nanopt_argv(e.line)[0][0] == "estimate"]
 
 
 @pytest.mark.parametrize("example", ESTIMATES, ids=[e.id for e in ESTIMATES])
-def test_an_estimate_example_runs(example: Example, cli_in_process, monkeypatch: pytest.MonkeyPatch):
+def test_an_estimate_example_runs(example: Example, cli_in_process, monkeypatch: pytest.MonkeyPatch,
+                                  tmp_path: Path):
     monkeypatch.chdir(REPO)
-    result = cli_in_process(*nanopt_argv(example.line)[0])
+    argv = nanopt_argv(example.line)[0]
+    for copy, source in copied_runs().items():
+        if str(copy) in argv:  # the README's copy of a shipped run: estimate it in a directory of its own
+            shutil.copytree(REPO / source, tmp_path / copy)
+            monkeypatch.chdir(tmp_path)
+    result = cli_in_process(*argv)
     assert result.returncode == 0, f"{example.block}: `{example.line}`: {result.stderr}"
