@@ -47,6 +47,7 @@ def test_the_comparison_is_whole_at_80_columns_and_through_a_pipe(compared, cli_
     args = ["eval", *(run.name for run in compared), "--tokens", "256", "--no-samples", "--price-per-hour", "2.99"]
     data = cli_in_process(*args, "--json")
     assert data.returncode == 0, data.stderr[-3000:]
+    assert data.stderr == ""  # a progress bar on a stderr that is no terminal left an empty line behind
     rows = json.loads(data.stdout)["runs"]
     assert {"run", "step", "parameters", "tokens_trained", "global_batch_tokens", "test_loss", "perplexity",
             "bits_per_byte", "train_seconds", "gpu_hours", "cost_usd", "settings"} <= rows[0].keys()  # all in --json
@@ -78,6 +79,11 @@ def test_the_profiler_prints_nothing_of_its_own(compared, launcher: Launcher):
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["schedule"]["active"] == 1
     assert result.stderr.strip() == "", result.stderr
+
+
+def test_a_mistake_is_the_only_line_when_stderr_is_no_terminal(compared, launcher: Launcher):
+    result = launcher.run("profile", compared[0], "--steps", "0")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, repr(result.stderr)
 
 
 def test_hugging_face_library_warnings_are_quiet_while_nanopt_runs():

@@ -121,9 +121,11 @@ class _RichProgress:
     def start(self, description: str, total_batches: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        out = console(stderr=True)
+        # Off when stderr is no terminal: a transient bar still leaves an empty line in a log or a pipe.
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("batches"), TimeRemainingColumn(), console=console(stderr=True),
-                            transient=True)
+                            TextColumn("batches"), TimeRemainingColumn(), console=out, transient=True,
+                            disable=not out.is_terminal)
         self.bar.start()
         self.task = self.bar.add_task(f"eval {escape(description)}", total=total_batches)
 

@@ -81,8 +81,10 @@ class _progress:
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        out = console(stderr=True)
+        # Off when stderr is no terminal: a transient bar still leaves an empty line in a log or a pipe.
         self.bar = Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console(stderr=True), transient=True)
+                            console=out, transient=True, disable=not out.is_terminal)
         self.bar.start()
         self.task = self.bar.add_task("", total=None)
         return self.advance
