@@ -147,13 +147,9 @@ class TokenDataset:
         """The parsed tokenizers.Tokenizer, read once. Commands that need it call this when they open the dataset,
         so an unreadable file fails before their expensive work rather than after it."""
         if self._tokenizer is None:
-            from tokenizers import Tokenizer
+            from nanopt.data.tokenizer import read_tokenizer_file
 
-            try:
-                self._tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
-            except Exception as exc:  # the tokenizers library raises a bare Exception for any malformed file
-                raise DataError(f"{self.tokenizer_path}: not a Hugging Face tokenizers file ({exc})",
-                                retokenize_hint(self.path)) from None
+            self._tokenizer = read_tokenizer_file(self.tokenizer_path, retokenize_hint(self.path))
         return self._tokenizer
 
     def verify(self, progress: VerifyProgress | None = None) -> None:

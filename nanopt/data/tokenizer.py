@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.data.shards import FORMAT
-from nanopt.errors import ConfigError, DataError
+from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.parsing import check_option
 
 ENDOFTEXT = "<|endoftext|>"
@@ -85,7 +85,7 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
                             "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
     extra: dict[str, Any] = {}
     if path.is_file():
-        tokenizer = _from_file(path)
+        tokenizer = read_tokenizer_file(path)
         dataset_eos = _eos_of_dataset(path.parent, tokenizer)
         if dataset_eos is not None:
             extra["dataset"] = str(path.parent)
@@ -102,14 +102,16 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
     return NamedTokenizer(tokenizer, source, eos, eos_id, extra)
 
 
-def _from_file(path: Path) -> Any:
+def read_tokenizer_file(path: Path, hint: str = "pass a file saved by Hugging Face tokenizers (tokenizer.json)",
+                        error: type[NanoptError] = DataError) -> Any:
+    """A parsed tokenizer.json, or `error` in one line naming the file: the one place that reads one, for a
+    tokenize --tokenizer, a dataset's, a checkpoint's and an export's alike."""
     from tokenizers import Tokenizer
 
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the library raises a bare Exception for any malformed file
-        raise DataError(f"{path}: not a valid tokenizer.json ({exc})",
-                        "pass a file saved by Hugging Face tokenizers (tokenizer.json)") from None
+        raise error(f"{path}: not a Hugging Face tokenizers file ({exc})", hint) from None
 
 
 def _from_hub(name: str) -> Any:

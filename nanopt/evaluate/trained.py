@@ -20,6 +20,7 @@ import torch
 from nanopt.config import RunConfig, TrainConfig, model_config_from_snapshot
 from nanopt.data.dataset import TokenDataset, check_compatible, open_run_dataset
 from nanopt.data.output import is_dataset
+from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import from_dict, path_kind
@@ -57,9 +58,10 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None,
     carried = ckpt.tokenizer_path
     dataset = _open_dataset(run, ckpt, data, for_loss)
     if dataset is None:
+        own = read_tokenizer_file(carried, "use another checkpoint", CheckpointError)
         return TrainedModel(run=run, checkpoint=ckpt, dataset=None, tokenizer_path=carried,
                             eos_id=ckpt.meta["eos_id"], tokenizer_check=f"the tokenizer.json {ckpt.path.name} "
-                            "carries", _tokenizer=_read_carried_tokenizer(carried))
+                            "carries", _tokenizer=own)
     tokenizer = dataset.tokenizer()  # an unreadable file fails now, not after the work
     tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
@@ -104,15 +106,6 @@ def _no_dataset(run: RunConfig, ckpt: Checkpoint) -> DataError:
     return DataError(f"{run.run_dir}: the test loss needs a dataset, and {where}",
                      f"pass --data DIR, a dataset made with the run's tokenizer (`nanopt tokenize SOURCE --tokenizer "
                      f"{ckpt.tokenizer_path} --out DIR`), or --no-loss for samples only")
-
-
-def _read_carried_tokenizer(path: Path) -> Any:
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception for any malformed file
-        raise CheckpointError(f"{path}: not a Hugging Face tokenizers file ({exc})", "use another checkpoint") from None
 
 
 def check_run_directory(run_dir: Path) -> None:

@@ -235,15 +235,11 @@ def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
 
 def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[dict[str, Any], int]:
     """The tokenizer files to write, and the EOS id (given, or the tokenizer's end-of-text token)."""
-    from tokenizers import Tokenizer
+    from nanopt.data.tokenizer import read_tokenizer_file
 
     if not path.is_file():
         raise DataError(f"{path}: tokenizer file not found", "pass the tokenizer.json of the run's dataset")
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception for unreadable files
-        raise DataError(f"{path}: not a Hugging Face tokenizers file ({exc})",
-                        "pass the tokenizer.json of the run's dataset") from None
+    tokenizer = read_tokenizer_file(path, "pass the tokenizer.json of the run's dataset")
     if tokenizer.get_vocab_size() > cfg.vocab_size:
         raise ConfigError(f"model.json: key 'vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.get_vocab_size()} tokens ({path})", "export with the run's own tokenizer")

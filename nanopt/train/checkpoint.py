@@ -278,6 +278,8 @@ _REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "
              "world_size": int, "ranks": list, "config": dict}
 _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
              "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int}
+
+
 def check_meta(meta_path: Path, meta: Any) -> None:
     """CheckpointError unless meta.json has every field nanopt reads, each of the right type."""
     def bad(what: str) -> CheckpointError:
