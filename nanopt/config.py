@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nanopt.errors import ConfigError
+from nanopt.hardware import MAX_PRICE_PER_HOUR
 from nanopt.parsing import from_dict, parse_token_count, path_kind, read_json, show_value
 from nanopt.rundir import RunDir
 
@@ -145,6 +146,9 @@ class TrainConfig:
     parallelism: Parallelism = "ddp"
     max_nonfinite_steps: int = 5  # consecutive skipped non-finite steps before training stops
     spike_threshold: float = 6.0  # loss-spike report: this many standard deviations above the rolling mean
+    price_per_hour: float | None = None  # USD per GPU-hour for live cost; default: the GPU table's price, if known
+    on_exit: str | None = None  # a shell command rank 0 runs once when the run ends, for any reason
+    on_exit_timeout_s: float = 300.0  # the on_exit command is stopped after this many seconds
 
     def validate(self, model: ModelConfig, source: str = "train.json") -> None:
         _check_dataset_path(self.data, source)
@@ -180,6 +184,12 @@ class TrainConfig:
                 f"{source}: key 'global_batch_tokens': {self.global_batch_tokens} is smaller than one micro-batch "
                 f"({self.micro_batch_size} x {self.resolved_seq_len(model)} = {tokens_per_micro} tokens)",
                 f"raise it to a multiple of {tokens_per_micro} or lower micro_batch_size")
+
+        _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+        _check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
+        if self.on_exit is not None and not self.on_exit.strip():
+            raise ConfigError(f"{source}: key 'on_exit': the command is empty",
+                              "give a shell command such as \"sudo shutdown -h now\", or remove the key")
 
     def resolved_seq_len(self, model: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.max_position_embeddings
@@ -268,6 +278,12 @@ def _check_non_negative(cfg: Any, source: str, names: tuple[str, ...]) -> None:
         value = getattr(cfg, name)
         if value < 0:
             raise ConfigError(f"{source}: key '{name}': must not be negative, got {value}", "use 0 or more")
+
+
+def _check_range(cfg: Any, source: str, name: str, low: float, high: float, hint: str) -> None:
+    value = getattr(cfg, name)
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise ConfigError(f"{source}: key '{name}': {show_value(value)} is outside [{low:g}, {high:g}]", hint)
 
 
 def _check_dataset_path(data: str, source: str) -> None:

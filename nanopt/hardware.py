@@ -61,6 +61,10 @@ GPUS: dict[str, GPU] = {g.key: g for g in (
 
 DEFAULT_GPU = "h100-sxm"
 
+# USD per GPU-hour: a thousand times today's dearest card. A price past it is a typo, and would make every cost a
+# number nobody could pay (or an infinity). The bound of every --price-per-hour and of train.json's price_per_hour.
+MAX_PRICE_PER_HOUR = 1_000_000
+
 # Short names people type: the card each is taken to mean, and how to ask for the others it could mean.
 ALIASES: dict[str, tuple[str, str]] = {
     "h100": ("h100-sxm", "pass --gpu h100-pcie or h100-nvl for the PCIe or NVL card"),

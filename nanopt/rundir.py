@@ -7,6 +7,8 @@
       metrics.jsonl  loss.png         what training measured (see nanopt.train.metrics)
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
+      preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight)
+      on_exit.log                     the output of the train.json / --on-exit command, run after each session
       export/                         the default `nanopt export` destination
       previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
                                       metrics.jsonl, loss.png and eval.json, never deleted by nanopt
@@ -28,6 +30,8 @@ CHART_FILE = "loss.png"
 EVAL_FILE = "eval.json"
 FIND_BATCH_FILE = "find_batch.json"
 PROFILE_DIR = "profile"
+PREFLIGHT_FILE = "preflight.json"
+EXIT_HOOK_LOG = "on_exit.log"
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"
@@ -78,6 +82,14 @@ class RunDir:
     @property
     def find_batch_json(self) -> Path:
         return self.root / FIND_BATCH_FILE
+
+    @property
+    def preflight_json(self) -> Path:
+        return self.root / PREFLIGHT_FILE
+
+    @property
+    def exit_hook_log(self) -> Path:
+        return self.root / EXIT_HOOK_LOG
 
     @property
     def profile_dir(self) -> Path:

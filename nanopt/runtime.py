@@ -254,6 +254,21 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float | Non
     return gpu.peak_flops(precision), f"{gpu.name} dense {'TF32' if precision == 'fp32' else 'BF16'} peak"
 
 
+def device_price(device: torch.device, price_per_hour: float | None = None) -> tuple[float | None, str]:
+    """USD per device-hour for live cost and projections, and where it came from: the run's own price when given,
+    else the GPU table's typical on-demand price for a known GPU, else none (a CPU, an unknown card)."""
+    if price_per_hour is not None:
+        return price_per_hour, "price_per_hour"
+    if device.type != "cuda":
+        return None, "no price for CPUs: set price_per_hour (or --price-per-hour)"
+    import torch
+
+    gpu = detect_gpu(torch.cuda.get_device_name(device))
+    if gpu is None:
+        return None, f"unknown GPU {torch.cuda.get_device_name(device)!r}: set price_per_hour"
+    return gpu.usd_per_hour, f"typical on-demand price of the {gpu.name}"
+
+
 def device_name(device: Any) -> str:
     import platform
 

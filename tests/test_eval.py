@@ -161,7 +161,9 @@ def test_comparison_is_sorted_by_test_loss_and_reuses_evaluations(runs, cli):
     assert first["runs"][0]["test_loss"] < first["runs"][1]["test_loss"]
     for row in first["runs"]:
         assert row["cost_usd"] == pytest.approx(row["gpu_hours"] * 2.5)
-        assert row["gpu_hours"] == pytest.approx(row["train_seconds"] / 3600)
+        # The bill is the wall time of every phase (setup, steps, evaluation, checkpoints): more than the steps.
+        assert row["gpu_hours"] == pytest.approx(row["wall_seconds"] / 3600)
+        assert row["wall_seconds"] > row["train_seconds"] > 0
     again = in_process_json(cli, weak, strong, *args)
     assert all(row.get("reused") for row in again["runs"])
     assert [r["test_loss"] for r in again["runs"]] == [r["test_loss"] for r in first["runs"]]
@@ -171,8 +173,10 @@ def test_comparison_is_sorted_by_test_loss_and_reuses_evaluations(runs, cli):
     table = cli("eval", weak, strong, *args)
     assert table.returncode == 0, table.stderr[-3000:]
     rows = [line for line in table.stdout.splitlines() if strong in line or weak in line]
-    assert len(rows) == 2 and strong in rows[0] and weak in rows[1]
+    # The ranking, then each run's time per phase in the same order.
+    assert len(rows) == 4 and strong in rows[0] and weak in rows[1] and strong in rows[2] and weak in rows[3]
     assert "test loss" in table.stdout and "bits/byte" in table.stdout and "$" in rows[0]
+    assert "time per phase" in table.stdout and "%" in rows[2]
 
 
 def test_training_seconds_sums_logged_step_times_and_restarts_at_a_resume():

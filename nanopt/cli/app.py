@@ -12,8 +12,10 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +69,31 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def load_run_config(run_dir: Path, sets: list[str] | None):
+def load_run_config(run_dir: Path, sets: list[str] | None, options: dict[str, Any] | None = None):
+    """The run's configs with `--set` pairs applied, then the command's own options for train.json keys (such as
+    --price-per-hour), those that were given (not None)."""
     from nanopt.config import load_run
     from nanopt.parsing import parse_overrides
 
-    return load_run(run_dir, parse_overrides(sets or []))
+    given = {key: value for key, value in (options or {}).items() if value is not None}
+    return load_run(run_dir, {**parse_overrides(sets or []), **given})
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What a command knows of how it was started (Typer's context object, `ctx.obj`)."""
+
+    started: float  # Unix time: when this process started, for a command line; when main() was called, otherwise
+
+
+def _started(argv: list[str] | None) -> float:
+    """A command started as a process (argv None: the command line) is billed from the process start, imports
+    included; a call from Python (tests, a notebook) from now, not from whenever its process began."""
+    if argv is None:
+        from nanopt.train.phases import process_start_time
+
+        return process_start_time()
+    return time.time()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,11 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     Each branch leaves from inside its handler: the exception's traceback still holds the training session there,
     and freeing it is what can hang a torchrun worker (see `_leave`).
     """
+    invocation = Invocation(started=_started(argv))
     try:
         # Not standalone: Typer returns the exit code of --help and typer.Exit, and raises its usage errors here,
         # where they become one line like every other mistake instead of a usage block and a panel.
         with quiet_libraries():
-            code = app(args=argv, prog_name="nanopt", standalone_mode=False)
+            code = app(args=argv, prog_name="nanopt", standalone_mode=False, obj=invocation)
     except SystemExit as exc:  # sys.exit in a command (the torchrun launcher)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)

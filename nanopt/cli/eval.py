@@ -163,6 +163,8 @@ def _render_one(r: dict[str, Any]) -> None:
     for label, value in rows:
         table.add_row(label, escape(value))
     out.print(table)
+    if r.get("time"):
+        out.print(fmt.phase_table(r["time"], f"time and cost per phase to step {r['step']:,}"))
     _render_samples(r)
 
 
@@ -171,20 +173,36 @@ def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
     # What is compared first, then what it took. Perplexity is left out: it is exp(test loss), in the JSON. "batch" is
     # the global batch in tokens. A narrow terminal or a pipe (80 columns) gets the columns over several tables, each
     # with the rank: no number is cut short, and --json has everything.
-    headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "train time", "GPU-h",
-               "cost"]
+    headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "wall time", "GPU-h",
+               "cost", "w/o eval"]
     records = [[str(rank), escape(r["run"]), f"{r['test_loss']:.4f}", f"{r['bits_per_byte']:.4f}", f"{r['step']:,}",
                 fmt.count(r["parameters"]), fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]),
-                fmt.duration(r["train_seconds"]), "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}",
-                fmt.money(r["cost_usd"])] for rank, r in enumerate(rows, 1)]
+                fmt.duration(r["wall_seconds"] if r["wall_seconds"] is not None else r["train_seconds"]),
+                "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}", fmt.money(r["cost_usd"]),
+                fmt.money(r["cost_excluding_eval_usd"])] for rank, r in enumerate(rows, 1)]
     fmt.print_records(out, "nanopt eval: runs by test loss", headers, records, left=frozenset({"run"}))
+    timed = [(rank, r) for rank, r in enumerate(rows, 1) if r.get("time")]
+    if timed:
+        phases = list(fmt.PHASE_LABELS)
+        fmt.print_records(out, "time per phase (share of the run's wall time)", ["#", "run", *phases],
+                          [[str(rank), escape(r["run"]), *(_phase_cell(r["time"]["phases"][name]) for name in phases)]
+                           for rank, r in timed], left=frozenset({"run"}))
     for note in notes:
         out.print(f"note: {escape(note)}")
     for r in rows:
         _render_samples(r)
 
 
+def _phase_cell(phase: dict[str, Any]) -> str:
+    return f"{fmt.duration(phase['seconds'])} ({fmt.percent(phase['share'])})"
+
+
 def _training_time(r: dict[str, Any]) -> str:
+    if r.get("time"):
+        t = r["time"]
+        return (f"{fmt.duration(t['wall_seconds'])} wall ({t['sessions']} session(s)), "
+                f"{fmt.duration(t['phases']['train']['seconds'])} of steps, {t['device_hours']:.3f} GPU-hours"
+                + (f", {fmt.money(t['cost_usd'])}" if t["cost_usd"] is not None else ""))
     if r["train_seconds"] is None:
         return "- (no step times in metrics.jsonl)"
     text = f"{fmt.duration(r['train_seconds'])} of steps on {r['train_world_size']} rank(s)"

@@ -3,6 +3,8 @@ fit the width they are shown in."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
@@ -48,7 +50,10 @@ def duration(seconds: float | None) -> str:
 
 
 def money(usd: float | None) -> str:
-    return "-" if usd is None else f"${usd:,.2f}"
+    """Dollars and cents; below ten cents four decimals, so a short run on a cheap machine is not "$0.00"."""
+    if usd is None:
+        return "-"
+    return f"${usd:.4f}" if 0 < abs(usd) < 0.1 else f"${usd:,.2f}"
 
 
 def percent(x: float | None) -> str:
@@ -111,3 +116,26 @@ def _print_blocks(out: Console, title: str, headers: list[str], records: list[li
         out.print("  ".join(record[:keys + 1]))  # e.g. the rank and the run's name
         for header, cell in zip(headers[keys + 1:], record[keys + 1:], strict=True):
             out.print(f"    {header:<{width}}  {cell}")
+
+
+# ------------------------------------------------------------------------------------------ time and money
+
+PHASE_LABELS = {"setup": "setup (incl. compile)", "train": "training steps", "eval": "evaluation",
+                "checkpoint": "checkpointing", "other": "other (logging, waiting)"}
+
+
+def phase_table(t: dict[str, Any], title: str) -> Table:
+    """Hours, share and cost of each phase (setup, train, eval, checkpoint, other), with the totals including and
+    excluding evaluation, as users who pay by the hour add them up."""
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("phase", "left"), ("time", "right"), ("share", "right"), ("cost", "right")):
+        table.add_column(name, justify=justify)
+    for name, label in PHASE_LABELS.items():
+        phase = t["phases"][name]
+        table.add_row(label, duration(phase["seconds"]), percent(phase["share"]), money(phase["cost_usd"]))
+    table.add_row("total", duration(t["wall_seconds"]), "100%", money(t["cost_usd"]), style="bold")
+    table.add_row("total without evaluation", duration(t["wall_seconds"] - t["phases"]["eval"]["seconds"]), "",
+                  money(t["cost_excluding_eval_usd"]))
+    if t.get("price_per_hour") is None and t.get("price_source"):
+        table.caption = f"no cost: {t['price_source']}"
+    return table

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Group
 from rich.table import Table
 
 from nanopt.cli import format as fmt
-from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.train_display import Display
 from nanopt.runtime import ranks, under_torchrun
@@ -30,11 +31,22 @@ Examples:
   nanopt train runs/demo --resume none --set max_steps=50 --set train_tokens=null
 
   nanopt train runs/demo --resume none --set max_steps=3000   # ~1.4 passes over its data, each epoch reshuffled
+
+  nanopt train runs/gpt2-small --on-exit 'sudo shutdown -h now'   # stop paying when the run ends, however it ends
+
+  nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends
+
+--on-exit (train.json on_exit): rank 0 runs the command once through the shell when the run ends: completed,
+preempted (SIGTERM / SIGINT, saved), diverged, error, interrupted (a second Ctrl-C) or crashed, in
+NANOPT_EXIT_REASON, with NANOPT_EXIT_STATUS, NANOPT_RUN_DIR, NANOPT_STEP and NANOPT_TOTAL_STEPS (when known) and
+NANOPT_EXIT_MESSAGE (the error's line). Its output goes to RUN/on_exit.log; it is stopped, with everything it
+started, after on_exit_timeout_s (300 s). It never changes the run's exit status or files.
 """
 
 
 @app.command("train", epilog=EPILOG)
 def train_command(
+    ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
     resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any), none, "
                                                         "latest, best, or a checkpoint path."),
@@ -51,28 +63,106 @@ def train_command(
     no_live: bool = typer.Option(False, "--no-live/--live", help="Log lines only, no live progress bar (--live: "
                                  "the bar, the default)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the end-of-run summary as JSON."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour for the live cost, "
+                                                "the summary and eval --compare (train.json price_per_hour; "
+                                                "default: the GPU table's typical price, none on a CPU)."),
+    on_exit: str | None = typer.Option(None, "--on-exit", help="Shell command rank 0 runs once when the run ends "
+                                       "for any reason, with NANOPT_EXIT_REASON set (train.json on_exit); e.g. "
+                                       "\"sudo shutdown -h now\"."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
     check_launcher_options(nproc_per_node, nnodes, node_rank)
-    run = load_run_config(run_dir, sets)
-    if not under_torchrun():
-        # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
-        run.grad_accum_steps(nproc_per_node * nnodes)
+    hook = _ExitHook(run_dir, on_exit)
+    with hook:  # a train.json that cannot be read still runs the --on-exit command
+        run = load_run_config(run_dir, sets, {"price_per_hour": price_per_hour, "on_exit": on_exit})
+        hook.configure(run)
+        if not under_torchrun():
+            # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
+            run.grad_accum_steps(nproc_per_node * nnodes)
+    # torchrun's launcher leaves here with its ranks' exit status: rank 0 among them runs the hook, never this process.
     launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     from nanopt.train.loop import train
     from nanopt.train.session import TrainOptions
 
-    summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed), Display(live=not no_live))
-    if ranks().is_main:
-        if as_json:
-            print_json(summary)
-        else:
-            console().print(_summary_table(summary))
+    started = ctx.obj.started if isinstance(ctx.obj, Invocation) else None
+    with hook:
+        summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, started=started),
+                        Display(live=not no_live))
+        if ranks().is_main:
+            if as_json:
+                print_json(summary)
+            else:
+                console().print(_summary_table(summary))
+    hook.finished(summary)
     if not summary["completed"]:  # stopped by SIGTERM / SIGINT after saving: not a finished run
         raise typer.Exit(STOPPED_EARLY)
 
 
-def _summary_table(s: dict[str, Any]) -> Table:
+# The status `nanopt train` leaves with for each reason, as nanopt.cli.app.main and the launcher exit.
+_EXIT_STATUS = {"completed": 0, "preempted": STOPPED_EARLY, "diverged": 2, "error": 2, "interrupted": 130,
+                "crashed": 1}
+
+
+class _ExitHook:
+    """The on-exit command (train.json `on_exit`, --on-exit), run once by the process whose end is the run's end:
+    rank 0, or the one that was to start torchrun when the run fails before it. `with hook:` around work whose
+    failure ends the run runs it with that error, which then goes on to nanopt.cli.app.main as before (the same
+    error line and exit status); `finished(summary)` runs it when training returned."""
+
+    def __init__(self, run_dir: Path, command: str | None) -> None:
+        from nanopt.config import TrainConfig
+
+        self.run_dir, self.command = run_dir, command  # --on-exit's command until train.json is read
+        self.timeout_s: float = TrainConfig.on_exit_timeout_s  # the default, until then
+        self.total_steps: int | None = None
+
+    def configure(self, run: Any) -> None:
+        self.command, self.timeout_s = run.train.on_exit, run.train.on_exit_timeout_s
+        self.total_steps = run.total_steps
+
+    def __enter__(self) -> _ExitHook:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if error is not None:
+            self._run(error, None)
+        return False  # never swallows the error
+
+    def finished(self, summary: dict[str, Any]) -> None:
+        self._run(None, summary)
+
+    def _run(self, error: BaseException | None, summary: dict[str, Any] | None) -> None:
+        from nanopt.train import exit_hook
+
+        if not (self.command and ranks().is_main and exit_hook.ends_the_run(error)):
+            return
+        reason = exit_hook.exit_reason(error, summary is None or summary["completed"])
+        details = exit_hook.ExitDetails(_EXIT_STATUS[reason], summary["steps"] if summary else None,
+                                        summary["total_steps"] if summary else self.total_steps,
+                                        exit_hook.error_message(error))
+        _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
+
+
+def _print_hook_result(result: Any) -> None:
+    from rich.markup import escape
+
+    prefix = "" if result.ok else "[yellow]warning:[/] "
+    console(stderr=True).print(f"{prefix}on-exit: {escape(result.describe())}", soft_wrap=True)
+
+
+def _summary_table(s: dict[str, Any]) -> Group:
+    """The run's outcome, then where its time and money went."""
+    return Group(_outcome_table(s), fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
+
+
+def _sessions(t: dict[str, Any]) -> str:
+    sessions = "this session" if t["sessions"] == 1 else f"all {t['sessions']} sessions of this run"
+    if t.get("price_per_hour") is None:
+        return sessions
+    return f"{sessions}, at ${t['price_per_hour']:,.2f} per GPU-hour x {t['world_size']} GPU(s)"
+
+
+def _outcome_table(s: dict[str, Any]) -> Table:
     status = "complete" if s["completed"] else f"stopped at step {s['steps']} of {s['total_steps']}"
     table = Table(title=f"nanopt train: {s['run']} ({status})", show_header=False, title_justify="left")
     table.add_column("", style="bold")

@@ -46,12 +46,13 @@ class Display:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else (r.get("mfu_note") or "-")
         epoch = f"  epoch {r['epoch']:.2f}" if r["epoch"] > 1 else ""  # only once the run reads data again
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}{epoch}")
+                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}{epoch}  {_bill(r)}")
         self.console.print(line, markup=False, soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.task, completed=r["step"],
                                  description=f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
-                                             f"val {self.last_eval}{' |' + epoch if epoch else ''}")
+                                             f"val {self.last_eval}{' |' + epoch if epoch else ''} | "
+                                             f"{_money(r) or 'no price'}")
 
     def data_repeats(self, r: dict[str, Any]) -> None:
         self.console.print(f"warning: data repeats: the run reads {fmt.count(r['run_tokens'])} tokens from a train "
@@ -59,6 +60,22 @@ class Display:
                            f"{r['seq_len']:,}): {r['epochs']:.2f} epochs, each in a fresh order",
                            style="yellow", markup=False, soft_wrap=True, highlight=False)
 
-    def evaluated(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float, seconds: float, share: float) -> None:
         self.last_eval = f"{loss:.4f}"
-        self.note(f"step {step}: val loss {loss:.4f}")
+        self.note(f"step {step}: val loss {loss:.4f} ({fmt.duration(seconds)}; evaluation is {share:.1%} of this "
+                  "session's step and evaluation time)")
+
+
+def _money(r: dict[str, Any]) -> str:
+    """`$1.20 spent, $3.40 to finish`, or '' without a price."""
+    if r.get("spent_usd") is None or r.get("to_finish_usd") is None:
+        return ""
+    return f"{fmt.money(r['spent_usd'])} spent, {fmt.money(r['to_finish_usd'])} to finish"
+
+
+def _bill(r: dict[str, Any]) -> str:
+    """The log line's tail: time (and money, given a price) so far and to finish."""
+    if r.get("eta_s") is None:
+        return ""
+    money = _money(r)
+    return f"elapsed {fmt.duration(r['elapsed_s'])}  ETA {fmt.duration(r['eta_s'])}" + (f"  {money}" if money else "")

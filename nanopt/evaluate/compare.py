@@ -1,4 +1,4 @@
-"""Comparing evaluated runs: best test loss first, with what each run took to train and, given a price, cost.
+"""Comparing evaluated runs: best test loss first, with what each run took to train (time per phase) and its cost.
 
 Test loss compares runs only when they were evaluated on the same test tokens; bits per byte also compares runs
 with different tokenizers (on the same text). `notes` says when a comparison needs that caveat.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nanopt.hardware import MAX_PRICE_PER_HOUR
 from nanopt.parsing import check_option
-from nanopt.plan.estimate import MAX_PRICE_PER_HOUR
+from nanopt.train.phases import run_time
 
 
 def check_price_per_hour(price_per_hour: float | None) -> None:
@@ -25,12 +26,21 @@ def ranked(results: list[dict[str, Any]], price_per_hour: float | None = None) -
 
 
 def training_cost(result: dict[str, Any], price_per_hour: float | None) -> dict[str, Any]:
-    """Device-hours = training time x the number of ranks it trained on; cost = device-hours x price."""
+    """What training to the checkpoint took: every session's wall time per phase (setup, steps, evaluation,
+    checkpointing, other) x the ranks it ran on = device-hours, priced at `price_per_hour` or else at the price
+    each session trained with. A run trained before nanopt recorded phases has only its step times: device-hours
+    are then steps only (and `time` is None)."""
+    sessions = result.get("train_sessions")
+    measured = run_time(sessions, price_per_hour=price_per_hour) if sessions else None
+    if measured is not None:
+        time = measured.to_dict()
+        return {"time": time, "wall_seconds": time["wall_seconds"], "gpu_hours": time["device_hours"],
+                "cost_usd": time["cost_usd"], "cost_excluding_eval_usd": time["cost_excluding_eval_usd"]}
     seconds = result.get("train_seconds")
-    if seconds is None:
-        return {"gpu_hours": None, "cost_usd": None}
-    gpu_hours = seconds / 3600 * result.get("train_world_size", 1)
-    return {"gpu_hours": gpu_hours, "cost_usd": gpu_hours * price_per_hour if price_per_hour is not None else None}
+    gpu_hours = None if seconds is None else seconds / 3600 * result.get("train_world_size", 1)
+    cost = gpu_hours * price_per_hour if gpu_hours is not None and price_per_hour is not None else None
+    return {"time": None, "wall_seconds": None, "gpu_hours": gpu_hours, "cost_usd": cost,
+            "cost_excluding_eval_usd": cost}
 
 
 def notes(results: list[dict[str, Any]]) -> list[str]:
@@ -43,7 +53,14 @@ def notes(results: list[dict[str, Any]]) -> list[str]:
     if len({r["tokens"] for r in results}) > 1:
         found.append("the runs were evaluated on different numbers of test tokens (seq_len, --tokens or the split "
                      "size differ)")
-    untimed = [r["run"] for r in results if r.get("train_seconds") is None]
+    untimed = [r["run"] for r in results if r.get("train_seconds") is None and r.get("time") is None]
     if untimed:
         found.append(f"no step times in metrics.jsonl for {', '.join(untimed)}: training time unknown")
+    steps_only = [r["run"] for r in results if r.get("time") is None and r.get("train_seconds") is not None]
+    if steps_only and len(steps_only) < len(results):
+        found.append(f"{', '.join(steps_only)} trained before nanopt recorded time per phase: its GPU-hours and cost "
+                     "count training steps only, not setup, evaluation or checkpoints")
+    unpriced = [r["run"] for r in results if r.get("time") is not None and r.get("cost_usd") is None]
+    if unpriced:
+        found.append(f"no price for {', '.join(unpriced)}: pass --price-per-hour (USD per GPU-hour)")
     return found

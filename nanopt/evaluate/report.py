@@ -38,6 +38,7 @@ from nanopt.rundir import EVAL_FILE, RunDir
 from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
+from nanopt.train.phases import newest_per_session
 from nanopt.train.resume import data_fingerprint
 
 SPLIT = "test"
@@ -214,9 +215,12 @@ def previous_result(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, Any
 def training_record(trained: TrainedModel) -> dict[str, Any]:
     """What the run cost to get to this checkpoint, as far as the checkpoint and metrics.jsonl tell."""
     meta, run = trained.checkpoint.meta, trained.run
+    records = read_metrics(run.run_dir)
     return {"parameters": count_params(run.model).total, "tokens_trained": int(meta.get("tokens", 0)),
             "global_batch_tokens": run.train.global_batch_tokens, "train_world_size": int(meta.get("world_size", 1)),
-            "train_seconds": training_seconds(read_metrics(run.run_dir), trained.checkpoint.step)}
+            "train_seconds": training_seconds(records, trained.checkpoint.step),
+            # Each training session's time per phase to this checkpoint: `compare` prices them.
+            "train_sessions": newest_per_session(records, trained.checkpoint.step)}
 
 
 def training_seconds(records: list[dict[str, Any]], up_to_step: int) -> float | None:

@@ -13,14 +13,20 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
-from nanopt.hardware import CPU, DEFAULT_GPU, GIB, MAX_SIZE_BYTES, cpu_peak, is_cpu, machine_memory_bytes, resolve_gpu
+from nanopt.hardware import (
+    CPU,
+    DEFAULT_GPU,
+    GIB,
+    MAX_PRICE_PER_HOUR,
+    MAX_SIZE_BYTES,
+    cpu_peak,
+    is_cpu,
+    machine_memory_bytes,
+    resolve_gpu,
+)
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
-
-# USD per GPU-hour: a thousand times today's dearest card. A price past it is a typo, and would make every cost a
-# number nobody could pay (or an infinity). Also the bound of `nanopt eval --price-per-hour`.
-MAX_PRICE_PER_HOUR = 1_000_000
 
 
 @dataclass(frozen=True)

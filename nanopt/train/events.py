@@ -22,7 +22,9 @@ class TrainObserver(Protocol):
         """The run will read its train split more than once: the `data_repeats` event of metrics.jsonl (split_tokens,
         split_sequences, seq_len, run_tokens, epochs), heard once per run, before its first step."""
 
-    def evaluated(self, step: int, loss: float) -> None: ...
+    def evaluated(self, step: int, loss: float, seconds: float, share: float) -> None:
+        """An in-loop evaluation: its loss, how long it took, and evaluation's share of the session's time so far
+        (in steps and evaluation)."""
 
     def stop(self) -> None: ...
 
@@ -45,7 +47,7 @@ class Silent:
     def data_repeats(self, record: dict[str, Any]) -> None:
         pass
 
-    def evaluated(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float, seconds: float, share: float) -> None:
         pass
 
     def stop(self) -> None:

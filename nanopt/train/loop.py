@@ -20,6 +20,7 @@ from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.rundir import RunDir
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.train import checkpoint as ckpt
+from nanopt.train import phases
 from nanopt.train.events import TrainObserver
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
@@ -128,6 +129,8 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     if rt.is_main:
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
+    if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
+        session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
     _announce(session)
     _warn_if_data_repeats(session)
     return session
@@ -180,9 +183,14 @@ def loop(s: Session) -> dict[str, Any]:
         s.observer.note(f"{s.run.run_dir} is already complete ({s.state.step} steps); raise train_tokens or "
                         "max_steps and pass --allow-changed to train further")
     s.observer.start(s.total_steps, s.state.step)
+    s.clock.end_setup()
+    # torch.compile compiles in the first step: that step's time is setup, not training.
+    first_phase = "setup" if s.prepared.compiled else "train"
     try:
         while s.state.step < s.total_steps:
-            loss, norm, stop = step(s)
+            with s.clock.phase(first_phase):
+                loss, norm, stop = step(s)
+            first_phase = "train"
             window = maybe_log(s, loss, norm, window)
             paused = time.perf_counter()
             _eval_keeping_the_checkpoint(s)
@@ -192,9 +200,34 @@ def loop(s: Session) -> dict[str, Any]:
                 s.observer.note(f"preempted: saved step {s.state.step}; run `nanopt train {s.run.run_dir}` to "
                                 "continue exactly where it stopped")
                 break
-    finally:
+    except BaseException:
         s.observer.stop()
-    return summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
+        _record_phases(s, best_effort=True)
+        raise
+    s.observer.stop()
+    summary = summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
+    _record_phases(s)  # after summarize's loss chart, so the session's record holds all but its last moments
+    summary["time"] = {**run_time_so_far(s).to_dict(), "price_per_hour": s.price_per_hour,
+                       "price_source": s.price_source, "world_size": s.rt.world_size}
+    return summary
+
+
+def _record_phases(s: Session, best_effort: bool = False) -> None:
+    """The session's time per phase so far, as a metrics.jsonl `phases` record (see nanopt.train.phases). When
+    the session is ending on an error, a failure to write it (the full disk that ended it) must not hide that."""
+    try:
+        s.metrics.write("phases", step=s.state.step, world_size=s.rt.world_size, price_per_hour=s.price_per_hour,
+                        **s.clock.record())
+    except OSError:
+        if not best_effort:
+            raise
+
+
+def run_time_so_far(s: Session) -> phases.RunTime:
+    """The run's time and money per phase: its earlier sessions (as recorded) and this one (as measured now), all
+    at this session's price."""
+    this = {"kind": "phases", "session_start": s.clock.started, "world_size": s.rt.world_size, **s.clock.record()}
+    return phases.run_time([*s.earlier, this], price_per_hour=s.price_per_hour) or phases.RunTime()
 
 
 def _eval_keeping_the_checkpoint(s: Session) -> None:
@@ -225,9 +258,24 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
               "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak()}
+    record.update(_time_and_money(s, record["step_time_s"]))
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)
     return _Window(now, st.tokens)
+
+
+def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
+    """The live bill: the run's wall time and cost so far (every session), and the time and cost to finish: the
+    steps, evaluations and checkpoints left at their latest durations, plus the session's share of other time so
+    far (log lines, the loss chart, waiting)."""
+    left = phases.projected_seconds(s.run, s.state.step, step_s, s.clock.last["eval"], s.clock.last["checkpoint"])
+    totals = s.clock.totals(s.clock.wall())
+    worked = totals["train"] + totals["eval"] + totals["checkpoint"]
+    eta = sum(left.values()) * (1 + totals[phases.OTHER] / worked if worked > 0 else 1)
+    so_far = run_time_so_far(s)
+    price, devices = s.price_per_hour, s.rt.world_size
+    return {"elapsed_s": so_far.wall_seconds, "eta_s": eta, "spent_usd": so_far.cost_usd,
+            "to_finish_usd": None if price is None else eta * devices * price / 3600}
 
 
 def _validation_batches(s: Session) -> Any:
@@ -244,16 +292,44 @@ def maybe_eval(s: Session) -> None:
     due = interval and (st.step % interval == 0 or st.step == s.total_steps)
     if not due:
         return
-    batches = _validation_batches(s)
-    result = evaluate_loss(s.prepared.model, s.rt, batches)
-    st.last_val_loss, st.val_step = result.loss, st.step
-    if st.best_val_loss is None or result.loss < st.best_val_loss:
-        st.best_val_loss = result.loss
+    with s.clock.phase("eval"):
+        batches = _validation_batches(s)
+        result = evaluate_loss(s.prepared.model, s.rt, batches)
+        st.last_val_loss, st.val_step = result.loss, st.step
+        if st.best_val_loss is None or result.loss < st.best_val_loss:
+            st.best_val_loss = result.loss
     s.metrics.write("eval", step=st.step, tokens=st.tokens, val_loss=result.loss, val_tokens=result.tokens,
-                    val_perplexity=result.perplexity)
-    s.observer.evaluated(st.step, result.loss)
+                    val_perplexity=result.perplexity, eval_s=s.clock.last["eval"])
     if s.rt.is_main:
         write_loss_chart(s.run.run_dir)
+    s.observer.evaluated(st.step, result.loss, s.clock.last["eval"], _eval_share(s))
+    _record_phases(s)
+    _warn_if_eval_costly(s)
+
+
+def _eval_share(s: Session) -> float:
+    """Evaluation's share of this session's time in steps and evaluation."""
+    spent = s.clock.seconds["eval"]
+    return spent / max(spent + s.clock.seconds["train"], 1e-9)
+
+
+def _warn_if_eval_costly(s: Session) -> None:
+    """Once per session, from its second evaluation (the first may compile), say when evaluation will take more
+    than phases.EVAL_SHARE_WARNING of the time from here on (the latest evaluation against as many steps as the
+    eval_interval), with the eval_interval or eval_tokens that would bring it under."""
+    eval_s, step_s, interval = s.clock.last["eval"], s.clock.mean("train"), s.run.train.eval_interval
+    if s.eval_share_warned or s.clock.counts["eval"] < 2 or eval_s is None or step_s is None:
+        return
+    share = eval_s / (eval_s + interval * step_s)
+    if share <= phases.EVAL_SHARE_WARNING:
+        return
+    s.eval_share_warned = True
+    advice = phases.eval_advice(eval_s, step_s, s.run)
+    s.metrics.write("event", step=s.state.step, event="eval_share", share=share, **advice)
+    s.observer.note(f"step {s.state.step}: evaluation takes {share:.0%} of the step and evaluation time ("
+                    f"{eval_s:.2f} s every {interval} steps of {step_s:.3f} s); "
+                    f"eval_interval {advice['eval_interval']} or eval_tokens {advice['eval_tokens']:,} would bring "
+                    f"it under {phases.EVAL_SHARE_WARNING:.0%} (--set KEY=VALUE; both may change on resume)")
 
 
 def maybe_checkpoint(s: Session, force: bool = False) -> None:
@@ -267,7 +343,9 @@ def maybe_checkpoint(s: Session, force: bool = False) -> None:
         s.metrics.write("event", step=st.step, event="checkpoint_skipped", reason="nonfinite")
         s.observer.note(f"step {st.step}: checkpoint not saved after a non-finite step; the last good one is kept")
         return
-    save_checkpoint(s)
+    with s.clock.phase("checkpoint"):
+        save_checkpoint(s)
+    _record_phases(s)
 
 
 def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:

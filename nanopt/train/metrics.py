@@ -1,7 +1,9 @@
 """What a run records: metrics.jsonl, loss spikes, the loss-curve PNG.
 
 metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
-`{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes.
+`{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes, and
+`{"kind": "phases", ...}` for the time each session spent per phase (nanopt.train.phases). Every record carries
+`time`, the wall clock (Unix seconds) when it was written.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -24,13 +27,14 @@ class MetricsLog:
         self.enabled = enabled
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint: they will be run again. Writes nothing when
-        there is nothing to drop, and leaves the file as it was if the rewrite fails (a full disk)."""
+        """On resume, drop records of steps after the checkpoint: they will be run again. Phase records stay: that
+        time was spent (and paid for) whether or not its steps are run again. Writes nothing when there is nothing
+        to drop, and leaves the file as it was if the rewrite fails (a full disk)."""
         if not (self.enabled and self.path.is_file()):
             return
         lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
                  if line.strip()]
-        kept = [line for line in lines if _record_step(line) <= step]
+        kept = [line for line in lines if _record_step(line) <= step or _is_phases(line)]
         if len(kept) == len(lines):
             return
         tmp = self.path.with_suffix(".tmp")
@@ -44,7 +48,14 @@ class MetricsLog:
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": kind, **fields}, allow_nan=True) + "\n")
+            f.write(json.dumps({"kind": kind, **fields, "time": round(time.time(), 3)}, allow_nan=True) + "\n")
+
+
+def _is_phases(line: str) -> bool:
+    try:
+        return json.loads(line).get("kind") == "phases"
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
 def _record_step(line: str) -> int:

@@ -25,7 +25,8 @@ from nanopt.train.session import Session
 
 # `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
 FREE = {"data", "eval_interval", "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval", "compile",
-        "activation_checkpointing", "max_nonfinite_steps", "spike_threshold"}
+        "activation_checkpointing", "max_nonfinite_steps", "spike_threshold", "price_per_hour", "on_exit",
+        "on_exit_timeout_s"}
 NEVER = {"seq_len", "global_batch_tokens", "seed"}
 
 

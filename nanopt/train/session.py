@@ -3,6 +3,7 @@ uses them. `nanopt find-batch` and `nanopt profile` build the same session to me
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,11 +12,12 @@ import torch
 from nanopt.config import RunConfig
 from nanopt.model.flops import flops_per_token
 from nanopt.rundir import RunDir
-from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, seed_everything
+from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, device_price, seed_everything
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare
+from nanopt.train.phases import PhaseClock
 from nanopt.train.state import Counters, TrainState
 
 
@@ -23,6 +25,7 @@ from nanopt.train.state import Counters, TrainState
 class TrainOptions:
     resume: str = "auto"  # auto | none | latest | best | PATH
     allow_changed: bool = False  # resume although learning-rate, budget or world-size settings changed
+    started: float | None = None  # Unix time the session is billed from: its process's start (the CLI); None: now
 
 
 @dataclass
@@ -42,8 +45,13 @@ class Session:
     peak_source: str
     memory: MemoryProbe
     train_state: TrainState
+    price_per_hour: float | None  # USD per device-hour (nanopt.runtime.device_price), None where unknown
+    price_source: str
     spikes: SpikeMonitor | None = None
     preempt_requested: bool = field(default=False)
+    clock: PhaseClock = field(default_factory=PhaseClock)
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # earlier sessions' phase records (rank 0)
+    eval_share_warned: bool = False
 
     @property
     def state(self) -> Counters:
@@ -90,9 +98,11 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     peak, source = device_peak_flops(rt.device, rt.precision)
+    price, price_source = device_price(rt.device, run.train.price_per_hour)
     return Session(
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,
         total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes),
         observer=observer if observer is not None and rt.is_main else Silent(),
         flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
-        memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold))
+        memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold),
+        price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
