@@ -272,6 +272,7 @@ def command_calls(world: dict[str, Path], run: Path) -> dict[str, list[object]]:
         "tokenize": ["tokenize", world["corpus"], "--out", run.parent / "new-data", "--vocab-size", "300"],
         "find-batch": ["find-batch", run, "--max-memory", "1GiB", "--max", "1"],
         "profile": ["profile", run],
+        "preflight": ["preflight", run],
         "train": ["train", run, "--no-live"],
         "eval": ["eval", run],
         "export": ["export", run, "--out", run.parent / "exported"],

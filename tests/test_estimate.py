@@ -109,3 +109,12 @@ def test_help_lists_every_command_without_importing_torch():
                             "print('torch' in sys.modules, 'datasets' in sys.modules)"],
                            capture_output=True, text=True, cwd=REPO)
     assert probe.stdout.split() == ["False", "False"]
+
+
+def test_train_json_price_per_hour_prices_the_estimate_unless_the_option_does():
+    run = load_run(REPO / "runs" / "gpt2-small", {"price_per_hour": 1.5})
+    r = estimate(run, EstimateOptions(gpu="h100-sxm", num_gpus=2))
+    assert r["gpu"]["usd_per_hour"] == 1.5
+    assert math.isclose(r["cost_usd"], r["train_hours"] * 2 * 1.5)
+    assert estimate(run, EstimateOptions(gpu="h100-sxm", price_per_hour=2.0))["gpu"]["usd_per_hour"] == 2.0
+    assert estimate(run, EstimateOptions(gpu="cpu"))["cost_usd"] is not None  # a priced CPU run costs money too

@@ -18,6 +18,7 @@ from clihelp import REPO, assert_user_error
 from faulthelp import Launcher, tiny_run
 
 from nanopt.cli import app
+from nanopt.cli.format import money
 from nanopt.config import load_run
 
 # ------------------------------------------------------------------------------------------- the comparison
@@ -37,7 +38,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launc
 def comparison_cells(row: dict) -> list[str]:
     """What a person reads off the comparison for one run, written here from the --json numbers."""
     return [row["run"], f"{row['step']:,}", f"{row['test_loss']:.4f}", f"{row['bits_per_byte']:.4f}",
-            f"{row['global_batch_tokens']:,}", f"${row['cost_usd']:,.2f}", f"{row['gpu_hours']:.2f}"]
+            f"{row['global_batch_tokens']:,}", money(row["cost_usd"]), f"{row['gpu_hours']:.2f}"]
 
 
 @pytest.mark.parametrize("columns", ["80", None], ids=["COLUMNS=80", "piped"])

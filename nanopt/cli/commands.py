@@ -2,7 +2,7 @@
 
 import importlib
 
-LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "train", "eval", "export")
+LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "preflight", "train", "eval", "export")
 
 for _module in LIFECYCLE:
     importlib.import_module(f"nanopt.cli.{_module}")

@@ -12,6 +12,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
+from nanopt.plan.estimate import DEFAULT_MFU
 
 EPILOG = """
 Examples:
@@ -32,8 +33,14 @@ Examples:
 
   nanopt estimate runs/llama-3.2-1b --gpu rtx-4090        # too big? says what fits: FSDP on N GPUs, checkpointing
 
+  nanopt estimate runs/demo                                # after `nanopt preflight runs/demo`: what it measured
+
 The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
 micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
+
+Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
+measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
+cost come from the measured tokens/s, and the table says so. Without --gpu, the estimate is for the preflight's device.
 """
 
 
@@ -44,16 +51,22 @@ def estimate_command(
                                                                  "(e.g. 7e9); FLOPs use 6N."),
     tokens: float | None = typer.Option(None, "--tokens", help="With --params: token budget (default: "
                                                                  "Chinchilla-optimal)."),
-    gpu: str = typer.Option(DEFAULT_GPU, "--gpu", help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
+    gpu: str | None = typer.Option(None, "--gpu", help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
                                                        f"({', '.join(ALIASES)}), with a note saying which card "
                                                        f"it means; or {CPU}: this machine's processor (peak from "
                                                        "its cores, clock and vector units) and memory, no price "
-                                                       "unless --price-per-hour."),
-    num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size)."),
-    mfu: float = typer.Option(0.40, "--mfu", help="Model FLOPs utilization to assume, as a fraction of the peak: "
-                                                  "0.4 means 40% (0 < MFU <= 1; a percentage such as 40 is "
-                                                  "refused)."),
+                                                       "unless --price-per-hour. Default: the device of the run's "
+                                                       f"preflight.json, else {DEFAULT_GPU}."),
+    num_gpus: int | None = typer.Option(None, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size). "
+                                                                 "Default: the preflight's ranks when estimating for "
+                                                                 "its device, else 1."),
+    mfu: float | None = typer.Option(None, "--mfu", help="Model FLOPs utilization to assume, as a fraction of the "
+                                                         "peak: 0.4 means 40% (0 < MFU <= 1; a percentage such as 40 "
+                                                         "is refused). Default: the throughput `nanopt preflight` "
+                                                         f"measured for this run on this device, else "
+                                                         f"{DEFAULT_MFU:g}."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour (default: "
+                                                                                  "train.json price_per_hour, else "
                                                                                   "the table's typical price; none "
                                                                                   "for --gpu cpu)."),
     peak_tflops: float | None = typer.Option(None, "--peak-tflops", help="Dense peak TFLOP/s per GPU, "
@@ -76,8 +89,9 @@ def estimate_command(
         gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
         tokens_per_param=chinchilla_ratio, params=params, tokens=tokens)
     report = estimate(run, opts)
-    if report["gpu"]["note"]:  # on stderr, so that --json stdout stays one JSON object
-        console(stderr=True).print(escape(f"note: {report['gpu']['note']}"), soft_wrap=True)
+    for note in (report["gpu"]["note"], report["throughput_source"]["note"]):
+        if note:  # on stderr, so that --json stdout stays one JSON object
+            console(stderr=True).print(escape(f"note: {note}"), soft_wrap=True)
     if as_json:
         print_json(report)
     else:
@@ -104,11 +118,16 @@ def render(r: dict[str, Any]) -> None:
         ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
         ("total training FLOPs", fmt.sci(r["total_flops"])),
         ("peak" if g["key"] == CPU else "peak per GPU", f"{_tflops(g['peak_tflops'])} ({g['peak_source']}), "
-                                                         f"assumed MFU {fmt.percent(g['mfu'])}"),
-        ("throughput", f"{fmt.count(r['tokens_per_second'])} tokens/s"),
+                                                         f"{_mfu_text(r)}"),
+        ("throughput", f"{fmt.count(r['tokens_per_second'])} tokens/s{_throughput_text(r['throughput_source'])}"),
         ("wall-clock time", fmt.duration(r["train_seconds"])),
         ("cost", _cost(r["cost_usd"], g["usd_per_hour"], "hour" if g["key"] == CPU else "GPU-hour")),
     ]
+    source = r["throughput_source"]
+    if source["kind"] == "preflight" and source["projected_total_seconds"] is not None:
+        rows.append(("whole run as preflight projects it", f"{fmt.duration(source['projected_total_seconds'])}, "
+                                                          f"{fmt.money(source['projected_cost_usd'])} (setup, "
+                                                          "steps, evaluations, checkpoints)"))
     if r["hours"]:
         h = r["hours"]
         rows.append((f"in {h['hours']:g} hours", f"{fmt.count(h['tokens'])} tokens = "
@@ -119,6 +138,20 @@ def render(r: dict[str, Any]) -> None:
     out.print(table)
     out.print(_memory_table(r))
     _print_verdict(r["fit"])
+
+
+def _mfu_text(r: dict[str, Any]) -> str:
+    measured = r["throughput_source"]["kind"] == "preflight"
+    mfu = fmt.percent(r["gpu"]["mfu"]) if r["gpu"]["mfu"] is not None else "implausible (above 100%)"
+    return f"measured MFU {mfu}" if measured else f"assumed MFU {mfu}"
+
+
+def _throughput_text(source: dict[str, Any]) -> str:
+    if source["kind"] != "preflight":
+        return ""
+    failed = (f"; its checks failed: {', '.join(source['failed_checks'])}" if source["failed_checks"] else "")
+    return (f" (measured by nanopt preflight on {source['device']} at {source['measured_at']}, "
+            f"{source['steps']} steps{failed})")
 
 
 def _tflops(tflops: float) -> str:

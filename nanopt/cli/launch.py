@@ -27,6 +27,10 @@ from nanopt.runtime import under_torchrun
 # so a job scheduler or retry loop does not take a preempted run for a finished one.
 STOPPED_EARLY = 75
 
+# Exit status of `nanopt preflight` when one of its checks failed: the command's own verdict, printed by rank 0, not
+# a crash; a script runs `nanopt preflight runs/x && nanopt train runs/x`.
+CHECKS_FAILED = 3
+
 LAUNCHER_OPTIONS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
 
 
@@ -99,7 +103,7 @@ def _quiet_torchrun_logs() -> None:
 def _failure_status(failures: dict[int, Any]) -> int:
     # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
     codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
-    if codes and codes <= {2, STOPPED_EARLY}:  # the ranks' own errors, printed above, say why
+    if codes and codes <= {2, STOPPED_EARLY, CHECKS_FAILED}:  # the ranks' own reports, printed above, say why
         return max(codes)
     # A rank killed by a signal, or one that crashed, is why the others lost contact (their status 2 says so).
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode in (2, -signal.SIGTERM),

@@ -1,6 +1,8 @@
-"""Planning a run before paying for it: `estimate` (pure arithmetic), `find_batch` (real trial steps) and
-`profile` (a traced window of real steps).
+"""Planning a run before paying for it: `estimate` (pure arithmetic, or a preflight's measured throughput),
+`find_batch` (real trial steps), `profile` (a traced window of real steps) and `preflight` (a few dozen real steps,
+checked and projected to the run's time and cost).
 
-Imports nanopt.train (find-batch and profile measure the session training builds), nanopt.model, nanopt.runtime,
+Imports nanopt.train (find-batch, profile and preflight measure the session training builds), nanopt.evaluate.loss
+(preflight times training's in-loop validation, as nanopt.train does), nanopt.model, nanopt.runtime,
 nanopt.hardware and the contracts.
 """

@@ -3,6 +3,10 @@
 Combines a run's configs (or a bare parameter count) with the formulas of `flops`, the memory model and the GPU
 table of `hardware` (or this machine's CPU, `--gpu cpu`) into one JSON-ready report, with a verdict on memory and
 the changes that would make a run fit. Pure arithmetic: no torch.
+
+Throughput is assumed (an MFU of the device's peak) unless the run directory holds a preflight.json
+(nanopt.plan.preflight) measured with the run's current settings on the estimate's device and GPU count, and no
+MFU was given: then it is the measured tokens/s, and the report says so (`throughput_source`).
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ from nanopt.hardware import (
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
+from nanopt.plan.preflight import changed_setting, fingerprint, read_preflight
+from nanopt.rundir import RunDir
+
+# The MFU assumed without a measurement: a well-tuned dense run reaches 0.35-0.55; see bench/RESULTS.md.
+DEFAULT_MFU = 0.40
 
 
 @dataclass(frozen=True)
 class EstimateOptions:
-    gpu: str = DEFAULT_GPU
-    num_gpus: int = 1
-    mfu: float = 0.40  # a well-tuned dense run reaches 0.35-0.55; see bench/RESULTS.md
-    price_per_hour: float | None = None  # per GPU; default: the table's typical on-demand price
+    gpu: str | None = None  # None: the device of the run's preflight.json, else DEFAULT_GPU
+    num_gpus: int | None = None  # None: the preflight's world size when the estimate is for its device, else 1
+    mfu: float | None = None  # None: a matching preflight's measured throughput, else DEFAULT_MFU
+    price_per_hour: float | None = None  # per GPU; default: train.json price_per_hour, else the table's typical price
     peak_tflops: float | None = None  # overrides the table's dense peak
     gpu_memory: int | None = None  # bytes; overrides the table's memory
     hours: float | None = None  # the inverse question: tokens that fit in this many hours
@@ -63,9 +72,11 @@ class EstimateOptions:
         return replace(self, params=_whole(self.params), tokens=_whole(self.tokens))
 
 
-def check_mfu(mfu: float) -> None:
+def check_mfu(mfu: float | None) -> None:
     """MFU is a fraction, one way only: 0.4 means 40%. A percentage (40) is refused with what it would mean, not
     read as 4000% nor guessed at (is 1 then 100% or 1%?)."""
+    if mfu is None:
+        return
     if isinstance(mfu, (int, float)) and 1 < mfu <= 100:
         raise ConfigError(f"--mfu {mfu:g} is more than 1: MFU is a fraction of the peak",
                           f"--mfu {mfu / 100:g} means {mfu:g}% (a well-tuned dense run reaches 0.35-0.55)")
@@ -138,16 +149,72 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     opts = opts.with_whole_counts()
     if run is None and opts.params is None:
         raise ConfigError("estimate needs a run directory or --params", "e.g. `nanopt estimate runs/gpt2-small`")
+    opts, measured, source = _throughput_source(run, opts)
     precision = _run_precision(run, is_cpu(opts.gpu))
     target = _target(opts, precision)
     report: dict[str, Any] = {"run": str(run.run_dir) if run else None}
     report.update(_model_section(run, opts))
     report.update(_budget_section(run, opts, report))
-    report.update(_time_section(report, opts, target))
+    report.update(_time_section(report, opts, target, measured))
+    report["throughput_source"] = source
     report.update(_memory_section(run, opts, target, precision, report["params"]))
     report.update(_batch_section(run, opts))
     report["fit"] = _fit(run, opts.num_gpus, target, precision, report["params"])
     return report
+
+
+def _throughput_source(run: RunConfig | None,
+                       opts: EstimateOptions) -> tuple[EstimateOptions, float | None, dict[str, Any]]:
+    """The options with what was left out taken from the run (its preflight's device and GPU count, train.json's
+    price_per_hour), the measured tokens/s to use (None: assume the MFU), and where the throughput comes from."""
+    found, problem = read_preflight(run.run_dir) if run is not None else (None, None)
+    measured_on = found["device"] if found else {}
+    gpu = opts.gpu if opts.gpu is not None else (measured_on.get("kind") or DEFAULT_GPU)
+    key = CPU if is_cpu(gpu) else resolve_gpu(gpu)[0].key
+    world = measured_on.get("world_size")
+    same_device = found is not None and measured_on["kind"] == key
+    num_gpus = opts.num_gpus if opts.num_gpus is not None else (world if same_device and key != CPU else 1)
+    price = opts.price_per_hour if opts.price_per_hour is not None else (run.train.price_per_hour if run else None)
+    opts = replace(opts, gpu=gpu, num_gpus=num_gpus, price_per_hour=price)
+    if opts.mfu is not None:  # asked for explicitly: the person's assumption wins over any measurement
+        return opts, None, {"kind": "assumed", "mfu": opts.mfu, "note": None}
+    note = _unusable(run, found, problem, key, num_gpus) if run is not None else None
+    if found is None or note is not None:
+        return replace(opts, mfu=DEFAULT_MFU), None, {"kind": "assumed", "mfu": DEFAULT_MFU, "note": note}
+    projection = found["projection"]
+    return opts, float(found["tokens_per_s"]), {
+        "kind": "preflight", "path": str(RunDir(run.run_dir).preflight_json), "device": measured_on["name"],
+        "gpu": key, "world_size": world, "measured_at": found["time"], "steps": _number(found["steps"].get("measured")),
+        "tokens_per_s": found["tokens_per_s"], "mfu": _number(found.get("mfu")),
+        "projected_total_seconds": _number(projection.get("total_s")),
+        "projected_cost_usd": _number(projection.get("total_cost_usd")), "failed_checks": found["failed"],
+        "note": None}
+
+
+def _number(value: Any) -> float | None:
+    """A number preflight.json gives, or None for one that is missing or not a finite number."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
+def _unusable(run: RunConfig, found: dict[str, Any] | None, problem: str | None, key: str,
+              num_gpus: int) -> str | None:
+    """Why the run's preflight.json cannot stand for this estimate's throughput, as one note; None if it can (or
+    there is none)."""
+    path = RunDir(run.run_dir).preflight_json
+    if problem is not None:
+        return f"{path} not used: {problem}; throughput assumed at MFU {DEFAULT_MFU:g}"
+    if found is None:
+        return None
+    device = found["device"]
+    if device["kind"] != key or device["world_size"] != num_gpus:
+        return (f"{path} was measured on {device['world_size']} x {device['name']}, not on this estimate's "
+                f"{num_gpus} x {key}: throughput assumed at MFU {DEFAULT_MFU:g}")
+    changed = changed_setting(found["fingerprint"], fingerprint(run, num_gpus))
+    if changed is not None:
+        return (f"{path} is stale ({changed}): run `nanopt preflight {run.run_dir}` again to measure the run as it "
+                f"is; throughput assumed at MFU {DEFAULT_MFU:g}")
+    return None
 
 
 def _model_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
@@ -169,21 +236,31 @@ def _budget_section(run: RunConfig | None, opts: EstimateOptions, report: dict[s
             "train_tokens": train_tokens, "train_tokens_vs_chinchilla": train_tokens / optimal}
 
 
-def _time_section(report: dict[str, Any], opts: EstimateOptions, target: Target) -> dict[str, Any]:
+def _time_section(report: dict[str, Any], opts: EstimateOptions, target: Target,
+                  measured_tokens_per_s: float | None) -> dict[str, Any]:
+    """Time and cost at the assumed MFU, or at a preflight's measured tokens/s (its MFU then against this target's
+    peak, through the one MFU function)."""
     total_flops = report["train_tokens"] * report["flops_per_token"]
-    seconds = flops.train_seconds(total_flops, opts.num_gpus, target.peak_flops, opts.mfu)
+    if measured_tokens_per_s is None:
+        seconds = flops.train_seconds(total_flops, opts.num_gpus, target.peak_flops, opts.mfu)
+        utilization = opts.mfu
+    else:
+        seconds = report["train_tokens"] / measured_tokens_per_s
+        utilization = flops.mfu(measured_tokens_per_s, report["flops_per_token"], opts.num_gpus, target.peak_flops)
+    tokens_per_second = report["train_tokens"] / seconds
     section: dict[str, Any] = {
         "total_flops": total_flops, "train_seconds": seconds, "train_hours": seconds / 3600,
         "cost_usd": _cost(seconds / 3600, opts.num_gpus, target.usd_per_hour),
-        "tokens_per_second": report["train_tokens"] / seconds,
+        "tokens_per_second": tokens_per_second,
         "gpu": {"key": target.key, "name": target.name, "peak_tflops": target.peak_flops / 1e12,
                 "peak_source": target.peak_source, "usd_per_hour": target.usd_per_hour, "num_gpus": opts.num_gpus,
-                "mfu": opts.mfu, "note": target.note},
+                "mfu": utilization, "note": target.note},
         "hours": None,
     }
     if opts.hours:
-        tokens = flops.tokens_in_seconds(opts.hours * 3600, report["flops_per_token"], opts.num_gpus,
-                                         target.peak_flops, opts.mfu)
+        tokens = (flops.tokens_in_seconds(opts.hours * 3600, report["flops_per_token"], opts.num_gpus,
+                                          target.peak_flops, opts.mfu) if measured_tokens_per_s is None
+                  else int(opts.hours * 3600 * measured_tokens_per_s))
         section["hours"] = {"hours": opts.hours, "tokens": tokens,
                             "fraction_of_chinchilla": tokens / report["chinchilla_tokens"],
                             "cost_usd": _cost(opts.hours, opts.num_gpus, target.usd_per_hour)}
