@@ -96,7 +96,8 @@ def test_a_bare_parameter_count_is_judged_on_its_states(cli_in_process):
 
 
 def test_the_cpu_target_is_this_machine(cli_in_process):
-    report = estimate_json(cli_in_process, RUNS / "demo", "--gpu", "cpu", "--peak-tflops", "0.1")
+    # --mfu given: the assumption is tested even where runs/demo holds a preflight.json of a user's own
+    report = estimate_json(cli_in_process, RUNS / "demo", "--gpu", "cpu", "--peak-tflops", "0.1", "--mfu", "0.4")
     gpu = report["gpu"]
     assert gpu["key"] == "cpu" and gpu["peak_tflops"] == 0.1 and gpu["usd_per_hour"] is None
     assert report["cost_usd"] is None  # your own machine: no price unless one is given
@@ -109,7 +110,7 @@ def test_the_cpu_target_is_this_machine(cli_in_process):
     assert math.isclose(report["train_seconds"], expected)
     assert report["fit"]["fits"] is True
 
-    priced = estimate_json(cli_in_process, RUNS / "demo", "--gpu", "cpu", "--peak-tflops", "0.1",
+    priced = estimate_json(cli_in_process, RUNS / "demo", "--gpu", "cpu", "--peak-tflops", "0.1", "--mfu", "0.4",
                            "--price-per-hour", "0.5", "--gpu-memory", "1GiB")
     assert math.isclose(priced["cost_usd"], priced["train_hours"] * 0.5)
     assert priced["gpu_memory_bytes"] == GIB

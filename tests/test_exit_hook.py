@@ -266,8 +266,13 @@ def test_the_reason_follows_how_train_ended():
 def test_ctrl_c_while_the_hook_runs_stops_it_and_nothing_raises(tmp_path: Path):
     """The hook sends this process SIGINT (as a Ctrl-C would) and sleeps: run_exit_hook stops it and returns."""
     pid_file = tmp_path / "sleeper"
-    result = run_exit_hook(f"sh -c 'echo $$ > {pid_file}; exec sleep 60' & sleep 1; kill -INT {os.getpid()}; wait",
-                           "completed", tmp_path, 30, ExitDetails(exit_status=0))
+    # Python's own Ctrl-C handler, whatever the test runner or an earlier test left in place.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = run_exit_hook(f"sh -c 'echo $$ > {pid_file}; exec sleep 60' & sleep 1; kill -INT {os.getpid()}; "
+                               "wait", "completed", tmp_path, 30, ExitDetails(exit_status=0))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert result.stopped and not result.ok and result.seconds < 10
     assert "was stopped by Ctrl-C" in result.describe()
     assert gone(int(pid_file.read_text()))

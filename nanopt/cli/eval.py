@@ -201,7 +201,7 @@ def _training_time(r: dict[str, Any]) -> str:
     if r.get("time"):
         t = r["time"]
         return (f"{fmt.duration(t['wall_seconds'])} wall ({t['sessions']} session(s)), "
-                f"{fmt.duration(t['phases']['train']['seconds'])} of steps, {t['device_hours']:.3f} GPU-hours"
+                f"{fmt.duration(t['phases']['train']['seconds'])} of steps, {t['device_hours']:.3f} device-hours"
                 + (f", {fmt.money(t['cost_usd'])}" if t["cost_usd"] is not None else ""))
     if r["train_seconds"] is None:
         return "- (no step times in metrics.jsonl)"

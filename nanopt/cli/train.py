@@ -13,6 +13,8 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.train_display import Display
+from nanopt.hardware import MAX_PRICE_PER_HOUR
+from nanopt.parsing import check_option
 from nanopt.runtime import ranks, under_torchrun
 
 EPILOG = """
@@ -74,6 +76,7 @@ def train_command(
     check_launcher_options(nproc_per_node, nnodes, node_rank)
     hook = _ExitHook(run_dir, on_exit)
     with hook:  # a train.json that cannot be read still runs the --on-exit command
+        check_option("--price-per-hour", price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
         run = load_run_config(run_dir, sets, {"price_per_hour": price_per_hour, "on_exit": on_exit})
         hook.configure(run)
         if not under_torchrun():
@@ -170,7 +173,8 @@ def _outcome_table(s: dict[str, Any]) -> Table:
     mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else (s["mfu_note"] or "- (no known GPU peak)")
     rows = [("steps", f"{s['steps']:,} / {s['total_steps']:,}"), ("tokens", fmt.count(s["tokens"])),
             ("epochs (passes over the train split)", f"{s['epochs']:.2f}"),
-            ("time (this session)", fmt.duration(s["seconds"])), ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+            ("training loop time (this session)", fmt.duration(s["seconds"])),
+            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
             ("MFU", mfu), ("final train loss", _loss(s["final_train_loss"])),
             ("final val loss", _loss(s["final_val_loss"])), ("best val loss", _loss(s["best_val_loss"])),
             ("skipped non-finite steps", str(s["skipped_steps"])),

@@ -206,7 +206,10 @@ def loop(s: Session) -> dict[str, Any]:
         raise
     s.observer.stop()
     summary = summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
-    _record_phases(s)  # after summarize's loss chart, so the session's record holds all but its last moments
+    if summary["tokens_this_session"]:  # a session that found the run complete did nothing worth recording
+        # After summarize's loss chart, so the record holds all but the session's last moments; best effort: a
+        # finished run's checkpoints are safe, and a full disk now must not turn it into a failure.
+        _record_phases(s, best_effort=True)
     summary["time"] = {**run_time_so_far(s).to_dict(), "price_per_hour": s.price_per_hour,
                        "price_source": s.price_source, "world_size": s.rt.world_size}
     return summary
