@@ -243,7 +243,7 @@ def test_an_error_only_one_node_meets_is_printed_with_its_rank(tmp_path: Path, t
     shutil.copytree(tiny_dataset, tmp_path / "node0" / "data")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
-           "NANOPT_PG_TIMEOUT_S": "10"}
+           "NANOPT_PG_TIMEOUT_S": "5"}
     procs = [subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", "--nnodes", "2",
                                "--node-rank", str(rank), "--nproc-per-node", "1", "--rdzv-endpoint",
                                f"127.0.0.1:{port}"], cwd=REPO, env=env, stdout=subprocess.PIPE,

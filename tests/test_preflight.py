@@ -155,7 +155,7 @@ RATIO_BOUNDS = (0.5, 2.0)
 def test_the_projection_is_within_tolerance_of_the_real_run(tmp_path: Path, tiny_dataset: Path, launcher):
     run = small_run(tmp_path, tiny_dataset, **HONEST_TRAIN)
     measured = launcher.run("preflight", run, "--json", "--steps", "10", "--warmup", "1")
-    assert measured.status in (0, 1), measured.stderr[-3000:]  # a check that failed still projects
+    assert measured.status in (0, 3), measured.stderr[-3000:]  # a check that failed (3) still projects
     projected = json.loads(measured.stdout)["projection"]
     launcher.train(run)
     real = run_time(read_metrics(run))

@@ -337,7 +337,7 @@ def _peak_rss_bytes(args: list[str], log: Path) -> int:
 
 @pytest.mark.slow
 def test_peak_memory_of_one_long_line_stays_near_that_of_many_short_lines(bpe, tmp_path: Path):
-    size = 16 << 20  # unsplit this needed ~2.2 GB: far past the bound below, at a third of the time of 48 MiB
+    size = 8 << 20  # unsplit this needed ~1.1 GB: far past the bound below (short + 128 MiB), at half the time of 16
     line = long_document(size, seed=12)
     (tmp_path / "long.txt").write_text(line + "\n", encoding="utf-8")
     # The same bytes as ~100-character lines: many small documents.
@@ -350,8 +350,8 @@ def test_peak_memory_of_one_long_line_stays_near_that_of_many_short_lines(bpe, t
                                        "--sample-by", "line", "--tokenizer", str(tmp_path / "tokenizer.json"),
                                        "--val-fraction", "0", "--test-fraction", "0"], tmp_path / f"{name}.log")
     # Unsplit, the long line needed ~135 bytes per byte. Split, what remains is the line itself held by the reader
-    # (a few copies of it); the bound is generous.
-    assert peaks["long"] < peaks["short"] + 8 * size, {k: v / 2**20 for k, v in peaks.items()}
+    # (a few copies of it, ~9 bytes per byte measured at this size); the bound is generous, and 8x below unsplit.
+    assert peaks["long"] < peaks["short"] + 16 * size, {k: v / 2**20 for k, v in peaks.items()}
 
 
 # ------------------------------------------------------------------------------------- 14. the Chinchilla budget
