@@ -22,7 +22,9 @@ Architecture = Literal["llama", "gpt2"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Parallelism = Literal["ddp", "fsdp"]
+OptimizerName = Literal["adamw", "muon"]
 CompileMode = bool | Literal["auto"]
+WandbMode = Literal["online", "offline"]
 
 # Every integer in these files fits in 64 bits: torch and numpy hold them as int64, and past that they fail with a
 # traceback (or wrap around) far from the file that caused it.
@@ -144,18 +146,35 @@ class TrainConfig:
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
     activation_checkpointing: bool = False
     parallelism: Parallelism = "ddp"
+    optimizer: OptimizerName = "adamw"  # muon: Muon on the hidden matrices, AdamW (learning_rate) on the rest
+    muon_learning_rate: float = 0.02  # Muon's peak LR; the schedule scales it by the same factor as learning_rate
     max_nonfinite_steps: int = 5  # consecutive skipped non-finite steps before training stops
     spike_threshold: float = 6.0  # loss-spike report: this many standard deviations above the rolling mean
+    # Automatic recovery (nanopt.train.recovery): on a confirmed spike or divergence, roll back to the newest
+    # checkpoint before it, skip past the data being read, lower the learning rate and ramp it back, go on.
+    recovery: bool = True
+    recovery_confirm_steps: int = 3  # consecutive spiking steps (spike_threshold) that confirm a spike
+    recovery_skip_steps: int = 10  # extra steps' worth of batches skipped beyond those read since the checkpoint
+    recovery_lr_factor: float = 0.5  # the learning rate is multiplied by this right after a rollback ...
+    recovery_lr_steps: int = 200  # ... and ramps back linearly to the schedule's over this many steps
+    max_recoveries: int = 3  # rollbacks per run; one more confirmed spike or divergence stops training
     price_per_hour: float | None = None  # USD per GPU-hour for live cost; default: the GPU table's price, if known
     on_exit: str | None = None  # a shell command rank 0 runs once when the run ends, for any reason
     on_exit_timeout_s: float = 300.0  # the on_exit command is stopped after this many seconds
+    tensorboard: bool = False  # also log every metrics.jsonl record to runs/NAME/tensorboard/ (nanopt.train.sinks)
+    wandb_project: str | None = None  # a W&B project name turns Weights & Biases logging on
+    wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
 
     def validate(self, model: ModelConfig, source: str = "train.json") -> None:
         _check_dataset_path(self.data, source)
         _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "keep_checkpoints",
-                                       "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold"))
+                                       "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
+                                       "recovery_confirm_steps", "max_recoveries"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
-                                           "weight_decay", "seed"))
+                                           "weight_decay", "seed", "recovery_skip_steps", "recovery_lr_steps"))
+        if not (math.isfinite(self.recovery_lr_factor) and 0 < self.recovery_lr_factor <= 1):
+            raise ConfigError(f"{source}: key 'recovery_lr_factor': {show_value(self.recovery_lr_factor)} is outside "
+                              "(0, 1]", "the learning-rate multiplier after a rollback, e.g. 0.5")
         if (self.train_tokens is None) == (self.max_steps is None):
             raise ConfigError(f"{source}: give exactly one of 'train_tokens' and 'max_steps'",
                               "e.g. \"train_tokens\": \"2.48B\" (the Chinchilla budget: `nanopt estimate`); "
@@ -185,11 +204,23 @@ class TrainConfig:
                 f"({self.micro_batch_size} x {self.resolved_seq_len(model)} = {tokens_per_micro} tokens)",
                 f"raise it to a multiple of {tokens_per_micro} or lower micro_batch_size")
 
+        self._check_optimizer(source)
         _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
         _check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
         if self.on_exit is not None and not self.on_exit.strip():
             raise ConfigError(f"{source}: key 'on_exit': the command is empty",
                               "give a shell command such as \"sudo shutdown -h now\", or remove the key")
+        _check_wandb_project(self.wandb_project, source)
+
+    def _check_optimizer(self, source: str) -> None:
+        if not (math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0):
+            raise ConfigError(f"{source}: key 'muon_learning_rate': must be positive, got {self.muon_learning_rate}",
+                              "e.g. 0.02 (Muon's usual peak LR)")
+        if self.optimizer == "muon" and self.parallelism == "fsdp":
+            # Muon orthogonalizes each whole matrix; FSDP2 gives every rank only a shard of it.
+            raise ConfigError(f"{source}: keys 'optimizer' and 'parallelism': \"optimizer\": \"muon\" does not "
+                              f"work with \"parallelism\": \"fsdp\" (Muon needs each whole matrix, FSDP shards them)",
+                              "use \"parallelism\": \"ddp\" with muon, or \"optimizer\": \"adamw\" with fsdp")
 
     def resolved_seq_len(self, model: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.max_position_embeddings
@@ -284,6 +315,13 @@ def _check_range(cfg: Any, source: str, name: str, low: float, high: float, hint
     value = getattr(cfg, name)
     if value is not None and not (math.isfinite(value) and low <= value <= high):
         raise ConfigError(f"{source}: key '{name}': {show_value(value)} is outside [{low:g}, {high:g}]", hint)
+
+
+def _check_wandb_project(project: str | None, source: str) -> None:
+    """W&B refuses these project names, but only once training has started: say so before."""
+    if project is not None and (not project.strip() or len(project) > 128 or any(c in project for c in "/\\#?%:")):
+        raise ConfigError(f"{source}: key 'wandb_project': {show_value(project)} is not a W&B project name",
+                          "use up to 128 characters without / \\ # ? % :, e.g. \"nanopt\"; null turns W&B off")
 
 
 def _check_dataset_path(data: str, source: str) -> None:

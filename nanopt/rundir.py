@@ -8,10 +8,11 @@
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
       preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight)
+      tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
       on_exit.log                     the output of the train.json / --on-exit command, run after each session
       export/                         the default `nanopt export` destination
       previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
-                                      metrics.jsonl, loss.png and eval.json, never deleted by nanopt
+                                      metrics.jsonl, loss.png, eval.json and tensorboard/, never deleted by nanopt
       .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.lock)
 
 Pure path arithmetic: nothing here reads or writes a file, so any module may import it.
@@ -31,6 +32,8 @@ EVAL_FILE = "eval.json"
 FIND_BATCH_FILE = "find_batch.json"
 PROFILE_DIR = "profile"
 PREFLIGHT_FILE = "preflight.json"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # W&B names its own folder: this is where it lands when given the run directory
 EXIT_HOOK_LOG = "on_exit.log"
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
@@ -88,6 +91,14 @@ class RunDir:
         return self.root / PREFLIGHT_FILE
 
     @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD_DIR
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / WANDB_DIR
+
+    @property
     def exit_hook_log(self) -> Path:
         return self.root / EXIT_HOOK_LOG
 
@@ -108,5 +119,7 @@ class RunDir:
         return self.root / PREVIOUS_DIR
 
     def training_outputs(self) -> list[Path]:
-        """What training writes (and a fresh start moves aside), where it exists."""
-        return [p for p in (self.checkpoints, self.metrics, self.chart, self.eval_json) if p.exists()]
+        """What training writes (and a fresh start moves aside), where it exists. TensorBoard's event files go too:
+        the new run's steps would draw over the old ones. wandb/ stays: each session is its own W&B run."""
+        return [p for p in (self.checkpoints, self.metrics, self.chart, self.eval_json, self.tensorboard)
+                if p.exists()]

@@ -128,6 +128,21 @@ def test_lr_in_metrics_follows_the_schedule(tmp_path: Path, tiny_dataset: Path, 
         assert record["lr"] == pytest.approx(lr_at(record["step"] - 1, 10, cfg.train))
 
 
+def test_a_checkpoint_older_than_a_setting_resumes_as_if_it_had_the_default(tmp_path: Path, tiny_dataset: Path,
+                                                                             cli_in_process):
+    """Keys nanopt gained after a checkpoint was written (optimizer, price_per_hour, ...) are not changes."""
+    run = make_run(tmp_path, tiny_dataset, max_steps=4, checkpoint_interval=2, eval_interval=0)
+    assert cli_in_process("train", run, "--set", "max_steps=2").returncode == 0
+    meta_path = run / "checkpoints" / "step-000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key in ("optimizer", "price_per_hour", "on_exit"):
+        meta["config"]["train"].pop(key, None)
+    meta_path.write_text(json.dumps(meta))
+    resumed = cli_in_process("train", run, "--allow-changed")  # max_steps 2 -> 4 is the only change
+    assert resumed.returncode == 0, resumed.stderr
+    assert "train.optimizer" not in resumed.stderr and "resumed from" in resumed.stderr
+
+
 def test_resume_with_changed_model_is_refused_with_the_keys(tmp_path: Path, tiny_dataset: Path,
                                                             launcher: Launcher):
     run = make_run(tmp_path, tiny_dataset, max_steps=5, checkpoint_interval=5, eval_interval=0)

@@ -24,7 +24,9 @@ tokens were scored, of how many in the split.
 Bits per byte = loss / ln 2 / (bytes per token of the test split): it compares runs with different tokenizers.
 
 Results go to checkpoints/step-N/eval.json and runs/NAME/eval.json. With several runs, an eval.json made for the
-same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn.
+same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn, and one PNG
+overlays the runs' train and validation loss against tokens (--chart; default: compare.png beside the first run,
+runs/compare.png for runs/a runs/b). A file that is not a chart nanopt drew is never replaced.
 
 Examples:
 
@@ -39,6 +41,8 @@ Examples:
   nanopt eval runs/gpt2-small --no-loss --prompt 'Once upon a time'   # samples only: no dataset needed
 
   nanopt eval runs/gpt2-small runs/gpt2-medium runs/smollm-360m --price-per-hour 2.99   # best test loss first
+
+  nanopt eval runs/gpt2-small runs/gpt2-medium --chart gpt2-sizes.png   # their loss curves on one chart
 
   nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
 """
@@ -70,6 +74,9 @@ def eval_command(
                                  "the default)."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", min=0.0, help="USD per GPU-hour, for "
                                                 "the training cost: price x GPUs (ranks) x training hours."),
+    chart: Path | None = typer.Option(None, "--chart", help="With several runs: the PNG overlaying their train "
+                                      "and validation loss against tokens (default: compare.png beside the first "
+                                      "run). Replaces only a chart nanopt drew."),
     fresh: bool = typer.Option(False, "--fresh/--no-fresh", help="With several runs, evaluate each even if an "
                                "eval.json for the same checkpoint and settings exists."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 starts "
@@ -80,6 +87,12 @@ def eval_command(
     from nanopt.evaluate import compare
 
     compare.check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
+    overlay = len(run_dirs) > 1 and not no_loss
+    if overlay:
+        from nanopt.evaluate.charts import check_chart_path, default_chart_path
+
+        chart = chart or default_chart_path(run_dirs)
+        check_chart_path(chart)  # before any evaluation: a file that is not nanopt's chart stays untouched
     launch_if_asked(nproc_per_node)
     from nanopt.evaluate.report import EvalOptions, evaluate_runs
     from nanopt.evaluate.samples import DEFAULT_PROMPTS, SampleSettings
@@ -98,12 +111,18 @@ def eval_command(
         _render_samples_only(results, as_json)
         return
     rows = compare.ranked(results, price_per_hour)
+    drawn = None
+    if overlay:
+        from nanopt.evaluate.charts import write_comparison_chart
+
+        drawn = write_comparison_chart([Path(r["run"]) for r in rows], chart)
     if as_json:
-        print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows)})
+        print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows), "chart": str(drawn)})
     elif len(rows) == 1:
         _render_one(rows[0])
     else:
         _render_comparison(rows, compare.notes(rows))
+        console().print(escape(f"chart: {drawn} (train and validation loss of {len(rows)} runs, against tokens)"))
 
 
 def _token_count(text: str) -> int | None:

@@ -72,12 +72,14 @@ def loss_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> int:
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
-                    activation_checkpointing: bool, parallelism: str, world_size: int) -> MemoryEstimate:
-    """Per-GPU memory of training with AdamW and fp32 master weights.
+                    activation_checkpointing: bool, parallelism: str, world_size: int,
+                    optimizer: str = "adamw") -> MemoryEstimate:
+    """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights.
 
-    Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); FSDP shards all three
-    across the world size, DDP replicates them. Under bf16 autocast the bf16 copies of weights live only per
-    layer during the step and are counted in the runtime overhead.
+    Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
+    momentum buffer for the hidden matrices it updates instead. FSDP shards all three across the world size, DDP
+    replicates them. Under bf16 autocast the bf16 copies of weights live only per layer during the step and are
+    counted in the runtime overhead.
     """
     shard = world_size if parallelism == "fsdp" else 1
     act_bytes = 4 if precision == "fp32" else 2
@@ -88,12 +90,24 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     else:
         per_token = cfg.num_hidden_layers * per_layer
     per_token += loss_bytes_per_token(cfg, act_bytes)
-    return states_only(count_params(cfg).total, shard, activations_per_sequence=per_token * seq_len)
+    muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
+    return states_only(count_params(cfg).total, shard, activations_per_sequence=per_token * seq_len,
+                       muon_params=muon_params)
 
 
-def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0) -> MemoryEstimate:
-    """fp32 weights and gradients (4 bytes each per parameter) and AdamW's two moments (8), sharded `shard` ways,
-    plus the runtime overhead: all that can be said from a bare parameter count."""
+def hidden_matrix_params(cfg: ModelConfig) -> int:
+    """Parameters of the 2-D projection weights inside the blocks (no biases): what Muon updates
+    (nanopt.train.optim.is_hidden_matrix); embeddings, head, norms and biases stay with AdamW."""
+    h, kv, inner = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    mlp_matrices = 3 if cfg.architecture == "llama" else 2  # SwiGLU: gate, up, down; GELU MLP: up, down
+    return cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + mlp_matrices * h * inner)
+
+
+def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0, muon_params: int = 0) -> MemoryEstimate:
+    """fp32 weights and gradients (4 bytes each per parameter) and AdamW's two moments (8), or Muon's one momentum
+    buffer (4) for the `muon_params` it updates, sharded `shard` ways, plus the runtime overhead: all that can be
+    said from a bare parameter count."""
+    optimizer = 8 * (params - muon_params) + 4 * muon_params
     return MemoryEstimate(weights=math.ceil(4 * params / shard), gradients=math.ceil(4 * params / shard),
-                          optimizer=math.ceil(8 * params / shard), activations_per_sequence=activations_per_sequence,
+                          optimizer=math.ceil(optimizer / shard), activations_per_sequence=activations_per_sequence,
                           runtime_overhead=RUNTIME_OVERHEAD_BYTES)

@@ -284,7 +284,7 @@ def _run_memory(run: RunConfig, target: Target, precision: str, world_size: int,
         run.model, run.seq_len, precision=precision, compiled=_compiled(run, target),
         activation_checkpointing=(run.train.activation_checkpointing if activation_checkpointing is None
                                   else activation_checkpointing),
-        parallelism=parallelism or run.train.parallelism, world_size=world_size)
+        parallelism=parallelism or run.train.parallelism, world_size=world_size, optimizer=run.train.optimizer)
 
 
 def _memory_section(run: RunConfig | None, opts: EstimateOptions, target: Target, precision: str,
@@ -384,7 +384,7 @@ def _fsdp(run: RunConfig, world: int, target: Target, precision: str, largest_no
     """The fewest GPUs (two or more; from the run's own count for a DDP run, more than it for an FSDP one) across
     which FSDP's sharded weights, gradients and optimizer state fit the run's micro-batch, or else, when not even
     micro-batch 1 fits now, micro-batch 1; with activation checkpointing when the activations alone are too large."""
-    if target.is_cpu:
+    if target.is_cpu or run.train.optimizer == "muon":  # Muon runs under DDP only (config refuses it with FSDP)
         return None
     at_least = max(2, world if run.train.parallelism == "ddp" else world + 1)
     sizes = (run.train.micro_batch_size,) if largest_now >= 1 else (run.train.micro_batch_size, 1)

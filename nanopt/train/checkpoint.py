@@ -2,7 +2,7 @@
 
     checkpoints/step-000600/
       model.safetensors       the unwrapped model's weights (tied weights once)
-      optimizer.safetensors   AdamW moments and step counts, flattened as "<param fqn>/<state name>"
+      optimizer.safetensors   AdamW moments and steps (Muon momentum buffers), as "<param fqn>/<state name>"
       tokenizer.json          the exact tokenizer the run trained with, so eval, export and sampling need no
                               dataset (checkpoints from before it was carried lack it: their dataset has it)
       meta.json               step, tokens, every rank's loader and RNG state, config snapshot, metrics,

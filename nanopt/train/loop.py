@@ -24,6 +24,7 @@ from nanopt.train import phases
 from nanopt.train.events import TrainObserver
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
+from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint
 from nanopt.train.session import Session, TrainOptions, build_session
@@ -129,6 +130,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     if rt.is_main:
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
+    start_watching(session)  # after the resume, which restores the losses from before its checkpoint
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
         session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
     _announce(session)
@@ -191,6 +193,9 @@ def loop(s: Session) -> dict[str, Any]:
             with s.clock.phase(first_phase):
                 loss, norm, stop = step(s)
             first_phase = "train"
+            if recover_if_needed(s, loss):  # rolled back to a checkpoint: nothing of this step is kept
+                window = _Window(time.perf_counter(), s.state.tokens)  # tokens/s from the checkpoint's count
+                continue
             window = maybe_log(s, loss, norm, window)
             paused = time.perf_counter()
             _eval_keeping_the_checkpoint(s)
@@ -203,6 +208,7 @@ def loop(s: Session) -> dict[str, Any]:
     except BaseException:
         s.observer.stop()
         _record_phases(s, best_effort=True)
+        s.metrics.close()  # TensorBoard / W&B finish here: a torchrun rank leaves with os._exit
         raise
     s.observer.stop()
     summary = summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
@@ -210,6 +216,7 @@ def loop(s: Session) -> dict[str, Any]:
         # After summarize's loss chart, so the record holds all but the session's last moments; best effort: a
         # finished run's checkpoints are safe, and a full disk now must not turn it into a failure.
         _record_phases(s, best_effort=True)
+    s.metrics.close()
     summary["time"] = {**run_time_so_far(s).to_dict(), "price_per_hour": s.price_per_hour,
                        "price_source": s.price_source, "world_size": s.rt.world_size}
     return summary
@@ -345,6 +352,10 @@ def maybe_checkpoint(s: Session, force: bool = False) -> None:
         # divergence hint says) would diverge again: keep the last good checkpoint instead. Every rank skips.
         s.metrics.write("event", step=st.step, event="checkpoint_skipped", reason="nonfinite")
         s.observer.note(f"step {st.step}: checkpoint not saved after a non-finite step; the last good one is kept")
+        return
+    if spike_pending(s) and not (force or st.step == s.total_steps):  # the next interval saves, spike or not
+        s.metrics.write("event", step=st.step, event="checkpoint_skipped", reason="spike")
+        s.observer.note(f"step {st.step}: checkpoint not saved during a loss spike; the last good one is kept")
         return
     with s.clock.phase("checkpoint"):
         save_checkpoint(s)

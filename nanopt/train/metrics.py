@@ -14,27 +14,35 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanopt.rundir import RunDir
 
+if TYPE_CHECKING:
+    from nanopt.train.sinks import Sinks
+
 
 class MetricsLog:
-    """Appends records to runs/NAME/metrics.jsonl (rank 0 only), flushed per line so a kill loses nothing."""
+    """Appends records to runs/NAME/metrics.jsonl (rank 0 only), flushed per line so a kill loses nothing, and hands
+    each record, as written, to the session's sinks (TensorBoard, W&B: nanopt.train.sinks)."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, sinks: Sinks | None = None) -> None:
         self.path = RunDir(run_dir).metrics
         self.enabled = enabled
+        self.sinks = sinks
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint: they will be run again. Phase records stay: that
-        time was spent (and paid for) whether or not its steps are run again. Writes nothing when there is nothing
-        to drop, and leaves the file as it was if the rewrite fails (a full disk)."""
+        """On resume, drop records of steps after the checkpoint: they will be run again. Phase and recovery records
+        stay: that time was spent (and paid for), and the recovery made, whether or not its steps are run again.
+        Writes nothing when there is nothing to drop, and leaves the file as it was if the rewrite fails (a full
+        disk)."""
         if not (self.enabled and self.path.is_file()):
             return
         lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
                  if line.strip()]
-        kept = [line for line in lines if _record_step(line) <= step or _is_phases(line)]
+        kept = [line for line in lines if _record_step(line) <= step or _kept_always(line)]
+        if self.sinks is not None:
+            self.sinks.restart_after(step)
         if len(kept) == len(lines):
             return
         tmp = self.path.with_suffix(".tmp")
@@ -47,13 +55,24 @@ class MetricsLog:
     def write(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
+        record = {"kind": kind, **fields, "time": round(time.time(), 3)}
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": kind, **fields, "time": round(time.time(), 3)}, allow_nan=True) + "\n")
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+        if self.sinks is not None:  # after metrics.jsonl has it: a sink never costs the source of truth a record
+            self.sinks.write(record)
+
+    def close(self) -> None:
+        """Flush and close the sinks: at the end of the session."""
+        if self.sinks is not None:
+            self.sinks.close()
 
 
-def _is_phases(line: str) -> bool:
+def _kept_always(line: str) -> bool:
+    """Records a resume or a rollback never drops: time spent (phases) and recoveries made, which happened whether
+    or not their steps are run again."""
     try:
-        return json.loads(line).get("kind") == "phases"
+        record = json.loads(line)
+        return record.get("kind") == "phases" or record.get("event") == "recovery"
     except (json.JSONDecodeError, AttributeError):
         return False
 
@@ -100,12 +119,44 @@ class SpikeMonitor:
         return spike
 
 
-def write_loss_chart(run_dir: Path) -> Path | None:
-    """Train and validation loss against tokens, as a PNG beside metrics.jsonl."""
-    records = read_metrics(run_dir)
+# Events marked on the loss chart, each with its own line style: (label, color, line style).
+CHART_EVENTS = {"recovery": ("recovery (rolled back)", "tab:red", "--"),
+                "loss_spike": ("loss spike", "tab:orange", ":")}
+# Written into every PNG nanopt draws, so that a chart may be replaced and any other file never is.
+CHART_SOFTWARE = "nanopt"
+
+
+Curve = tuple[list[int], list[float]]  # tokens, loss
+
+
+def loss_curves(records: list[dict[str, Any]]) -> tuple[Curve, Curve]:
+    """Train loss and validation loss against tokens, from the train and eval records in the order written."""
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    val = [r for r in records if r.get("kind") == "eval"]
+    return ([r["tokens"] for r in train], [r["loss"] for r in train]), ([r["tokens"] for r in val],
+                                                                          [r["val_loss"] for r in val])
+
+
+def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The tokens at which each charted event happened (a `recovery` at the step where it was decided), from the
+    tokens per step of the train records (the global batch never changes within a run)."""
+    train = [r for r in records if r.get("kind") == "train" and r.get("step")]
     if not train:
+        return {}
+    tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
+    marks: dict[str, list[int]] = {}
+    for r in records:
+        if r.get("kind") == "event" and r.get("event") in CHART_EVENTS and r.get("step") is not None:
+            marks.setdefault(r["event"], []).append(round(r["step"] * tokens_per_step))
+    return marks
+
+
+def loss_chart(run_dir: Path) -> Any:
+    """The loss chart's matplotlib Figure (train and validation loss against tokens, recoveries and loss spikes as
+    vertical lines), or None before the first train record. The caller saves or inspects it, then closes it."""
+    records = read_metrics(run_dir)
+    train, val = loss_curves(records)
+    if not train[0]:
         return None
     import matplotlib
 
@@ -113,18 +164,38 @@ def write_loss_chart(run_dir: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train", linewidth=1)
-    if evals:
-        ax.plot([r["tokens"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
+    ax.plot(*train, label="train", linewidth=1)
+    if val[0]:
+        ax.plot(*val, "o-", label="val")
+    for event, tokens in event_marks(records).items():
+        label, color, style = CHART_EVENTS[event]
+        for i, x in enumerate(tokens):  # one legend entry per kind of event
+            ax.axvline(x, color=color, linestyle=style, linewidth=1,
+                       label=f"{label} ({len(tokens)})" if i == 0 else None)
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(f"{Path(run_dir).name}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
-    path = RunDir(run_dir).chart
+    return fig
+
+
+def save_chart(fig: Any, path: Path) -> Path:
+    """Save a figure as a PNG atomically (a kill never leaves half an image), marked as nanopt's, and close it."""
+    import matplotlib.pyplot as plt
+
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, metadata={"Software": CHART_SOFTWARE})
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def write_loss_chart(run_dir: Path) -> Path | None:
+    """Train and validation loss against tokens, with events marked, as a PNG beside metrics.jsonl."""
+    fig = loss_chart(run_dir)
+    return None if fig is None else save_chart(fig, RunDir(run_dir).chart)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanopt.config import TrainConfig
 from nanopt.runtime import Runtime
+from nanopt.train.optim import MuonWithAdamW, optimizers_of
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL = StateDictOptions(full_state_dict=True)
@@ -115,13 +116,15 @@ def full_model_state(prepared: Prepared) -> dict[str, torch.Tensor]:
     return get_model_state_dict(prepared.raw, options=FULL_ON_CPU)
 
 
-def full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(prepared.raw, optimizer, options=FULL_ON_CPU)
+def full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW) -> dict[str, Any]:
+    """One state keyed by parameter name, whichever torch optimizers (AdamW, or Muon and AdamW) hold it."""
+    return get_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), options=FULL_ON_CPU)
 
 
 def load_full_model_state(prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
     set_model_state_dict(prepared.raw, state, options=FULL)
 
 
-def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    set_optimizer_state_dict(prepared.raw, optimizer, optim_state_dict=state, options=FULL)
+def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
+                              state: dict[str, Any]) -> None:
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state, options=FULL)

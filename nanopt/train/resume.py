@@ -10,13 +10,14 @@ Three kinds of setting:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import math
 from typing import Any
 
-from nanopt.config import RunConfig
+from nanopt.config import ModelConfig, RunConfig, TrainConfig
 from nanopt.errors import ResumeError
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.metrics import read_metrics
@@ -26,8 +27,9 @@ from nanopt.train.session import Session
 # `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
 FREE = {"data", "eval_interval", "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval", "compile",
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold", "price_per_hour", "on_exit",
-        "on_exit_timeout_s"}
-NEVER = {"seq_len", "global_batch_tokens", "seed"}
+        "on_exit_timeout_s", "recovery", "recovery_confirm_steps", "recovery_skip_steps", "recovery_lr_factor",
+        "recovery_lr_steps", "max_recoveries", "tensorboard", "wandb_project", "wandb_mode"}
+NEVER = {"seq_len", "global_batch_tokens", "seed", "optimizer"}
 
 
 def data_fingerprint(dataset: Any) -> str:
@@ -36,13 +38,19 @@ def data_fingerprint(dataset: Any) -> str:
     return hashlib.sha256(json.dumps(splits, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# What a key a checkpoint does not name meant when it was written: nanopt gained the key later, with its default.
+_DEFAULTS = {section: {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+             for section, cls in (("model", ModelConfig), ("train", TrainConfig))}
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     diffs = []
     for section in ("model", "train"):
         old, new = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                diffs.append((f"{section}.{key}", old.get(key), new.get(key)))
+            before = old.get(key, _DEFAULTS[section].get(key))  # a checkpoint older than the key: its default
+            if before != new.get(key):
+                diffs.append((f"{section}.{key}", before, new.get(key)))
     return diffs
 
 
@@ -76,14 +84,20 @@ def maybe_resume(s: Session) -> None:
         s.metrics.truncate_after(0)
         return
     check_resumable(found.meta, s.run, s.rt.world_size, data_fingerprint(s.dataset), s.opts.allow_changed)
-    load_full_model_state(s.prepared, ckpt.load_model_state(found))
-    load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
-    s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
+    load_checkpoint(s, found)
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
         s.metrics.truncate_after(found.step)
         s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
     s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
+
+
+def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
+    """Put a live session back to `found`: weights, optimizer moments, counters, loader position and RNGs (on
+    resume, and on an automatic rollback: nanopt.train.recovery)."""
+    load_full_model_state(s.prepared, ckpt.load_model_state(found))
+    load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
+    s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
 
 
 def _start_fresh(s: Session) -> None:

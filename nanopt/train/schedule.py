@@ -33,3 +33,11 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
         return peak
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
     return peak + (floor - peak) * progress
+
+
+def recovery_lr_multiplier(step: int, ramp_start: int, factor: float, ramp_steps: int) -> float:
+    """The multiplier on lr_at after an automatic rollback (nanopt.train.recovery) to step `ramp_start`: `factor`
+    there, rising linearly to 1 over `ramp_steps` steps; 1 when there was no rollback (factor 1)."""
+    if factor >= 1 or step >= ramp_start + ramp_steps:
+        return 1.0
+    return factor + (1.0 - factor) * max(0, step - ramp_start) / ramp_steps

@@ -18,6 +18,7 @@ from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare
 from nanopt.train.phases import PhaseClock
+from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
 
 
@@ -52,6 +53,7 @@ class Session:
     clock: PhaseClock = field(default_factory=PhaseClock)
     earlier: list[dict[str, Any]] = field(default_factory=list)  # earlier sessions' phase records (rank 0)
     eval_share_warned: bool = False
+    spike_watch: Any = None  # nanopt.train.recovery.SpikeWatch, set by the training loop when recovery is on
 
     @property
     def state(self) -> Counters:
@@ -84,6 +86,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
+    if writes:
+        check_sink_packages(run)  # a missing tensorboard / wandb package is refused before any costly work
     memory = MemoryProbe(rt.device)  # before the model: it measures the CUDA context
     accum = run.grad_accum_steps(rt.world_size)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
@@ -99,10 +103,12 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     peak, source = device_peak_flops(rt.device, rt.precision)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
+    observer = observer if observer is not None and rt.is_main else Silent()
+    sinks = build_sinks(run, observer.note) if rt.is_main and writes else None
     return Session(
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,
-        total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes),
-        observer=observer if observer is not None and rt.is_main else Silent(),
+        total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes, sinks),
+        observer=observer,
         flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
         memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold),
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))

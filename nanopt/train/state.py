@@ -27,11 +27,15 @@ class Counters:
     best_val_loss: float | None = None
     skipped_steps: int = 0
     last_loss: float | None = None
+    recoveries: int = 0  # automatic rollbacks so far (nanopt.train.recovery), so max_recoveries holds across resumes
+    lr_ramp_start: int = 0  # the step the latest rollback went back to: the learning-rate ramp starts there ...
+    lr_ramp_factor: float = 1.0  # ... from this multiplier of the schedule's rate (1: no ramp)
     # this session only
     consecutive_nonfinite: int = 0
     last_checkpoint_step: int = -1
 
     SESSION_ONLY = ("consecutive_nonfinite", "last_checkpoint_step")
+    RECOVERY = ("recoveries", "lr_ramp_start", "lr_ramp_factor")  # meta.json's `recovery` (absent before it existed)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.SESSION_ONLY}
@@ -59,6 +63,7 @@ class TrainState:
         c = self.counters
         return {"step": c.step, "tokens": c.tokens, "best_val_loss": c.best_val_loss,
                 "skipped_steps": c.skipped_steps, "ranks": rank_states,
+                "recovery": {key: getattr(c, key) for key in Counters.RECOVERY},
                 "metrics": {"train_loss": c.last_loss, "val_loss": c.last_val_loss, "val_step": c.val_step}}
 
     def load_state_dict(self, meta: dict[str, Any], rank: int, world_size: int) -> None:
@@ -67,7 +72,7 @@ class TrainState:
             "step": int(meta["step"]), "tokens": int(meta["tokens"]), "best_val_loss": meta.get("best_val_loss"),
             "skipped_steps": int(meta.get("skipped_steps", 0)), "last_val_loss": metrics.get("val_loss"),
             "val_step": metrics.get("val_step"),
-            "last_loss": metrics.get("train_loss")})
+            "last_loss": metrics.get("train_loss"), **(meta.get("recovery") or {})})
         ranks = meta["ranks"]
         self.loader.load_state_dict(ranks[min(rank, len(ranks) - 1)]["loader"])
         if len(ranks) == world_size:  # the same ranks: the same random streams (dropout) continue

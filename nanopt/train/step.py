@@ -13,7 +13,7 @@ import torch
 from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
 from nanopt.train.optim import set_lr
-from nanopt.train.schedule import lr_at
+from nanopt.train.schedule import lr_at, recovery_lr_multiplier
 from nanopt.train.session import Session
 
 
@@ -24,7 +24,8 @@ class TrainingDiverged(NanoptError):
 def step(s: Session) -> tuple[float, float, bool]:
     """One optimizer step over `accum` micro-batches; returns (mean loss over ranks, grad norm, stop?)."""
     st, cfg = s.state, s.run.train
-    set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg))
+    ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
+    set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
     for micro in range(s.accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
@@ -68,8 +69,14 @@ def _skip_nonfinite(s: Session, loss: float, norm: float) -> None:
     s.metrics.write("event", step=st.step + 1, event="nonfinite_skipped", loss=loss, grad_norm=norm)
     s.observer.note(f"step {st.step + 1}: non-finite loss or gradient (loss {loss}, grad norm {norm}); "
                     f"optimizer step skipped ({st.consecutive_nonfinite} in a row)")
-    if st.consecutive_nonfinite >= s.run.train.max_nonfinite_steps:
-        raise TrainingDiverged(
-            f"training diverged: {st.consecutive_nonfinite} non-finite steps in a row at step {st.step + 1}",
-            f"resume from the last checkpoint with a lower learning rate, e.g. `nanopt train {s.run.run_dir} "
-            f"--set learning_rate={s.run.train.learning_rate / 2:g} --allow-changed`")
+    # With recovery on, the loop rolls back instead (nanopt.train.recovery), and raises this when it cannot.
+    if st.consecutive_nonfinite >= s.run.train.max_nonfinite_steps and not s.run.train.recovery:
+        raise diverged(s, f"{st.consecutive_nonfinite} non-finite steps in a row at step {st.step + 1}")
+
+
+def diverged(s: Session, what: str) -> TrainingDiverged:
+    """The error that stops a run that diverged: `what` says how, the hint how to go on by hand."""
+    return TrainingDiverged(
+        f"training diverged: {what}",
+        f"resume from the last checkpoint with a lower learning rate, e.g. `nanopt train {s.run.run_dir} "
+        f"--set learning_rate={s.run.train.learning_rate / 2:g} --allow-changed`")

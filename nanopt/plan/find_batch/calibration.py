@@ -18,7 +18,7 @@ def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[in
                 "predicted_max_micro_batch": None, "max_micro_batch_error": None, "note": "nothing was measured"}
     model = estimate_memory(run.model, run.seq_len, precision=facts["precision"], compiled=bool(facts["compiled"]),
                             activation_checkpointing=run.train.activation_checkpointing,
-                            parallelism=run.train.parallelism, world_size=world)
+                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer)
     on_cpu = facts.get("device") != "cuda"
     if on_cpu and facts.get("baseline_bytes"):
         # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
