@@ -203,6 +203,8 @@ class Measured:
     early_peak_bytes: int = 0
     end_peak_bytes: int = 0
     diverged: str | None = None
+    skipped_steps: int = 0  # non-finite steps the optimizer skipped (warm-up included)
+    chance_loss: float = math.inf  # ln(vocab_size): the loss of a model that knows nothing
     eval_s: float | None = None
     eval_first_s: float | None = None
     checkpoint_s: float = 0.0
@@ -339,6 +341,8 @@ def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progres
             break
     measured.end_peak_bytes = memory.peak()
     measured.peak_bytes = max(measured.peak_bytes, measured.end_peak_bytes)
+    measured.skipped_steps = session.state.skipped_steps
+    measured.chance_loss = math.log(session.run.model.vocab_size)
 
 
 def _validation_batches(session: Any) -> Any:
@@ -594,8 +598,12 @@ def _loss_check(m: Measured) -> dict[str, Any]:
         return {"ok": False, "detail": "no measured step"}
     window = _loss_window(len(m.losses))
     first, last = m.losses[:window], m.losses[-window:]
-    if not all(math.isfinite(x) for x in m.losses):
-        return {"ok": False, "detail": "non-finite losses among the measured steps: lower learning_rate"}
+    if m.skipped_steps or not all(math.isfinite(x) for x in m.losses):
+        return {"ok": False, "detail": f"non-finite losses ({m.skipped_steps} step(s) skipped): lower learning_rate"}
+    if statistics.fmean(last) > 2 * m.chance_loss:  # falling or not, far worse than knowing nothing
+        return {"ok": False, "detail": f"loss {statistics.fmean(last):,.4g} is far above ln(vocab_size) = "
+                                       f"{m.chance_loss:.2f}, what a model that knows nothing scores: lower "
+                                       "learning_rate"}
     drop = statistics.fmean(first) - statistics.fmean(last)
     noise = math.sqrt((_variance(first) + _variance(last)) / window)
     lr = f"learning rate up to {max(m.lrs):.3g}" if m.lrs else ""
