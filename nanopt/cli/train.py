@@ -36,6 +36,12 @@ Examples:
 
   nanopt train runs/gpt2-small --on-exit 'sudo shutdown -h now'   # stop paying when the run ends, however it ends
 
+  nanopt train runs/demo --resume none --set optimizer=muon   # Muon on the hidden matrices, AdamW on the rest
+
+  nanopt train runs/demo --set tensorboard=true               # also log to runs/demo/tensorboard/
+
+  nanopt train runs/demo --set recovery=false                 # stop at a divergence instead of rolling back
+
   nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends
 
 --on-exit (train.json on_exit): rank 0 runs the command once through the shell when the run ends: completed,
