@@ -65,6 +65,14 @@ DEFAULT_GPU = "h100-sxm"
 # number nobody could pay (or an infinity). The bound of every --price-per-hour and of train.json's price_per_hour.
 MAX_PRICE_PER_HOUR = 1_000_000
 
+
+def check_price_per_hour(price_per_hour: float | None) -> None:
+    """ConfigError unless --price-per-hour (None: not given) is a finite number of USD from 0 to the bound above: the
+    one check of the option on every command that takes it (train, preflight, eval)."""
+    from nanopt.parsing import check_option
+
+    check_option("--price-per-hour", price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+
 # Short names people type: the card each is taken to mean, and how to ask for the others it could mean.
 ALIASES: dict[str, tuple[str, str]] = {
     "h100": ("h100-sxm", "pass --gpu h100-pcie or h100-nvl for the PCIe or NVL card"),

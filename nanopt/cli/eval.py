@@ -13,6 +13,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
 from nanopt.cli.launch import launch_if_asked
+from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
 
 EPILOG = """
@@ -86,7 +87,7 @@ def eval_command(
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
 
-    compare.check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
+    check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     overlay = len(run_dirs) > 1 and not no_loss
     if overlay:
         from nanopt.evaluate.charts import check_chart_path, default_chart_path

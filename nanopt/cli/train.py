@@ -13,8 +13,7 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.train_display import Display
-from nanopt.hardware import MAX_PRICE_PER_HOUR
-from nanopt.parsing import check_option
+from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks, under_torchrun
 
 EPILOG = """
@@ -82,7 +81,7 @@ def train_command(
     check_launcher_options(nproc_per_node, nnodes, node_rank)
     hook = _ExitHook(run_dir, on_exit)
     with hook:  # a train.json that cannot be read still runs the --on-exit command
-        check_option("--price-per-hour", price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+        check_price_per_hour(price_per_hour)
         run = load_run_config(run_dir, sets, {"price_per_hour": price_per_hour, "on_exit": on_exit})
         hook.configure(run)
         if not under_torchrun():

@@ -9,14 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nanopt.hardware import MAX_PRICE_PER_HOUR
-from nanopt.parsing import check_option
 from nanopt.train.phases import run_time
-
-
-def check_price_per_hour(price_per_hour: float | None) -> None:
-    """ConfigError unless the price (None: not given) is a finite number of USD from 0 to estimate's bound."""
-    check_option("--price-per-hour", price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
 
 
 def ranked(results: list[dict[str, Any]], price_per_hour: float | None = None) -> list[dict[str, Any]]:

@@ -74,7 +74,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError, NanoptError
-from nanopt.hardware import CPU, MAX_PRICE_PER_HOUR, MAX_SIZE_BYTES
+from nanopt.hardware import CPU, MAX_SIZE_BYTES, check_price_per_hour
 from nanopt.parsing import check_option, read_json, save_json
 from nanopt.rundir import RunDir
 
@@ -116,7 +116,7 @@ class PreflightOptions:
         hint = f"need --steps >= 1 and --warmup >= 0, each at most {MAX_PREFLIGHT_STEPS:,}"
         check_option("--steps", self.steps, 1, MAX_PREFLIGHT_STEPS, hint)
         check_option("--warmup", self.warmup, 0, MAX_PREFLIGHT_STEPS, hint)
-        check_option("--price-per-hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+        check_price_per_hour(self.price_per_hour)
         check_option("--max-memory", self.max_memory, 1, MAX_SIZE_BYTES, "e.g. --max-memory 4GiB")
         if self.max_memory is not None and not self.find_batch:
             raise ConfigError("--max-memory bounds the trials of --find-batch, which was not asked for",
@@ -277,6 +277,7 @@ def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float
              progress: Progress) -> Measured:
     from nanopt.data.dataset import open_run_dataset
     from nanopt.plan.profile import TimedLoader
+    from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session
 
     progress("setup", 0, 1)
@@ -284,7 +285,7 @@ def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float
     # Training hashes a dataset of up to 1 GiB whole when it opens it (writes=True); that is part of its setup.
     open_run_dataset(run)
     if run.train.eval_interval:  # training checks the validation slice before its first step, too
-        _validation_batches(session)
+        validation_batches(session)
     session.loader = TimedLoader(session.loader)
     measured = Measured(micro_batch=micro_batch)
     first_step_at = time.time()
@@ -345,15 +346,6 @@ def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progres
     measured.chance_loss = math.log(session.run.model.vocab_size)
 
 
-def _validation_batches(session: Any) -> Any:
-    """The validation slice exactly as training's in-loop evaluation reads it (nanopt.train.loop)."""
-    from nanopt.data.loader import eval_batches
-
-    run, rt = session.run, session.rt
-    return eval_batches(session.dataset, "val", run.seq_len, run.train.micro_batch_size, rt.rank, rt.world_size,
-                        run.train.eval_tokens)
-
-
 def _measure_eval_and_checkpoint(session: Any, measured: Measured, progress: Progress) -> None:
     """Two in-loop evaluations (the first pays once for what every later one reuses, such as the compiled
     evaluation graph), then one checkpoint."""
@@ -382,9 +374,10 @@ def _time_evaluation(session: Any) -> float:
     """One in-loop evaluation as nanopt.train.loop.maybe_eval times it: the validation slice and the loss on every
     rank (the loss chart drawn after it is not part of it)."""
     from nanopt.evaluate.loss import evaluate_loss
+    from nanopt.train.loop import validation_batches
 
     started = time.perf_counter()
-    evaluate_loss(session.prepared.model, session.rt, _validation_batches(session))
+    evaluate_loss(session.prepared.model, session.rt, validation_batches(session))
     _synchronize(session.rt)
     return time.perf_counter() - started
 

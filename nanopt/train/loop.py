@@ -126,7 +126,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     validation split must hold one window of seq_len + 1 tokens when in-loop evaluation is on."""
     session = build_session(run, rt, opts, writes=True, observer=observer)
     if run.train.eval_interval:
-        _validation_batches(session)
+        validation_batches(session)
     if rt.is_main:
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
@@ -288,7 +288,8 @@ def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
             "to_finish_usd": None if price is None else eta * devices * price / 3600}
 
 
-def _validation_batches(s: Session) -> Any:
+def validation_batches(s: Session) -> Any:
+    """The slice of the validation split in-loop evaluation reads (also what preflight times)."""
     from nanopt.data.loader import eval_batches
 
     return eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
@@ -303,7 +304,7 @@ def maybe_eval(s: Session) -> None:
     if not due:
         return
     with s.clock.phase("eval"):
-        batches = _validation_batches(s)
+        batches = validation_batches(s)
         result = evaluate_loss(s.prepared.model, s.rt, batches)
         st.last_val_loss, st.val_step = result.loss, st.step
         if st.best_val_loss is None or result.loss < st.best_val_loss:
