@@ -216,11 +216,6 @@ class TrainConfig:
         if not (math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0):
             raise ConfigError(f"{source}: key 'muon_learning_rate': must be positive, got {self.muon_learning_rate}",
                               "e.g. 0.02 (Muon's usual peak LR)")
-        if self.optimizer == "muon" and self.parallelism == "fsdp":
-            # Muon orthogonalizes each whole matrix; FSDP2 gives every rank only a shard of it.
-            raise ConfigError(f"{source}: keys 'optimizer' and 'parallelism': \"optimizer\": \"muon\" does not "
-                              f"work with \"parallelism\": \"fsdp\" (Muon needs each whole matrix, FSDP shards them)",
-                              "use \"parallelism\": \"ddp\" with muon, or \"optimizer\": \"adamw\" with fsdp")
 
     def resolved_seq_len(self, model: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.max_position_embeddings

@@ -1,8 +1,11 @@
 """`"optimizer": "muon"`: Muon on the hidden matrices, AdamW on the rest; trains, resumes bit-exactly, agrees over
-2 DDP ranks, is counted by the memory model, and bad values are one-line errors."""
+2 DDP or FSDP2 ranks (FSDP: each whole matrix orthogonalized, the state sharded, saved and restored through
+torch.distributed.checkpoint's state-dict functions), is counted by the memory model, and bad values are one-line
+errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -11,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from clihelp import assert_user_error
+from distributed import run_ranks
 from faulthelp import tiny_run, tree_digest
+from torch.distributed.tensor import Shard
 from trainhelp import final_weights_hash, losses
 
 from nanopt.config import load_run
@@ -68,22 +73,125 @@ def test_muon_trains_and_a_resume_is_bit_exact(tmp_path: Path, tiny_dataset: Pat
     assert final_weights_hash(resumed) == final_weights_hash(straight)
 
 
-def test_two_ddp_ranks_train_like_one_process(tmp_path: Path, tiny_dataset: Path, launcher):
+def train_in_rank(run: Path, overrides: dict) -> dict:
+    """What `nanopt train RUN --set ... --allow-changed` does in each torchrun worker: the run's summary."""
+    from nanopt.train.loop import train
+    from nanopt.train.session import TrainOptions
+
+    return train(load_run(run, overrides), TrainOptions(allow_changed=True))
+
+
+# A constant LR after warmup: a run stopped at step 3 and extended to 6 follows the 6-step run's schedule.
+SHORT = {**MUON, "max_steps": 6, "lr_schedule": "constant", "warmup_steps": 2, "checkpoint_interval": 0,
+         "eval_interval": 0}
+
+
+def test_two_ddp_or_fsdp_ranks_train_like_one_process_and_fsdp_resumes(tmp_path: Path, tiny_dataset: Path, launcher):
     # 2 ranks x accumulation 1 see the same samples as 1 rank x accumulation 2: the same losses, to rounding.
-    one = tiny_run(tmp_path, tiny_dataset, "one", **MUON, max_steps=6, checkpoint_interval=0, eval_interval=0)
-    two = tiny_run(tmp_path, tiny_dataset, "two", **MUON, max_steps=6, checkpoint_interval=0, eval_interval=0)
+    one = tiny_run(tmp_path, tiny_dataset, "one", **SHORT)
     launcher.train(one)
-    launcher.train(two, "--nproc-per-node", "2")
-    a, b = losses(one), losses(two)
-    assert a.keys() == b.keys() and len(a) == 6
-    assert all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
+    expected = losses(one)
+    assert len(expected) == 6
+    for parallelism in ("ddp", "fsdp"):
+        two = tiny_run(tmp_path, tiny_dataset, parallelism, **SHORT, parallelism=parallelism)
+        # FSDP: stopped after step 3 (a session's last step checkpoints), then resumed to 6.
+        sessions = [run_ranks(train_in_rank, two, {"max_steps": 3})[0]] if parallelism == "fsdp" else []
+        sessions.append(run_ranks(train_in_rank, two, {})[0])
+        assert [s["steps"] for s in sessions] == ([3, 6] if parallelism == "fsdp" else [6])
+        assert sum(s["tokens_this_session"] for s in sessions) == sessions[-1]["tokens"]  # no step trained twice
+        got = losses(two)
+        assert got.keys() == expected.keys(), (parallelism, got)
+        assert all(abs(expected[s] - got[s]) < 1e-4 for s in got), (parallelism, expected, got)
+
+
+def muon_state_round_trip_in_rank(run_dir: Path) -> dict:
+    """On each of 2 gloo ranks: an FSDP2-sharded model and an unsharded copy (same seed) take the same Muon steps on
+    the same batch; then the sharded optimizer's state goes through get_optimizer_state_dict into a fresh sharded
+    model and optimizer, and both take one more step. Returns what the test checks, as plain values."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    from nanopt.runtime import init_runtime
+    from nanopt.train.optim import optimizers_of
+    from nanopt.train.parallel import prepare
+
+    run = load_run(run_dir)
+    rt = init_runtime("fp32")
+
+    def built(sharded: bool):
+        torch.manual_seed(0)
+        model = Transformer(run.model)
+        if sharded:
+            model = prepare(model, rt, run.train).raw
+        return model, build_optimizer(model, run.train, rt.device)
+
+    batch = torch.randint(0, run.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def step(model, optimizer) -> None:  # the same batch on every rank: FSDP's averaged gradient is the whole one
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def full(model) -> dict[str, torch.Tensor]:
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in model.named_parameters()}
+
+    def largest_difference(a: dict, b: dict) -> float:
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    sharded, sharded_opt = built(True)
+    plain, plain_opt = built(False)
+    for _ in range(2):
+        step(sharded, sharded_opt)
+        step(plain, plain_opt)
+    after_two = largest_difference(full(sharded), full(plain))
+
+    state = get_optimizer_state_dict(sharded, optimizers_of(sharded_opt))["state"]
+    buffers = {name: value["momentum_buffer"] for name, value in state.items() if "momentum_buffer" in value}
+    placements = {name: b.placements if isinstance(b, DTensor) else None for name, b in buffers.items()}
+    local_rows = {name: b.to_local().shape[0] for name, b in buffers.items() if isinstance(b, DTensor)}
+
+    # Copies, as a checkpoint holds: the state dicts share tensors with the optimizer they come from.
+    restored, restored_opt = built(True)
+    set_model_state_dict(restored, copy.deepcopy(get_model_state_dict(sharded)))
+    set_optimizer_state_dict(restored, optimizers_of(restored_opt),
+                             copy.deepcopy(get_optimizer_state_dict(sharded, optimizers_of(sharded_opt))))
+    for model, optimizer in ((sharded, sharded_opt), (restored, restored_opt), (plain, plain_opt)):
+        step(model, optimizer)
+    result = {"after_two": after_two, "after_three": largest_difference(full(sharded), full(plain)),
+              "restored_vs_continued": largest_difference(full(restored), full(sharded)),
+              "placements": placements, "local_rows": local_rows}
+    dist.barrier()
+    return result
+
+
+def test_fsdp_muon_orthogonalizes_whole_matrices_and_its_state_dict_round_trips(tmp_path: Path, tiny_dataset: Path):
+    # 33 MLP rows over 2 ranks: shards of 17 and 16 rows; the lone down projection pads its batch of 2 matrices.
+    run = tiny_run(tmp_path, tiny_dataset, "run", **MUON, parallelism="fsdp", precision="fp32")
+    model = json.loads((run / "model.json").read_text())
+    (run / "model.json").write_text(json.dumps({**model, "intermediate_size": 33}))
+    rank0, rank1 = run_ranks(muon_state_round_trip_in_rank, run)
+    matrices = _hidden_matrices(Transformer(load_run(run).model))
+    for result in (rank0, rank1):
+        # One process's maths on each whole matrix; only fp32 rounding of the weights' update may differ.
+        assert result["after_two"] < 1e-6 and result["after_three"] < 1e-6, result
+        assert result["restored_vs_continued"] == 0.0, result
+        assert set(result["placements"]) == matrices  # a momentum buffer for every Muon matrix, and no other
+        assert all(p == (Shard(0),) for p in result["placements"].values()), result["placements"]
+    gate = next(name for name in matrices if name.endswith("gate_proj.weight"))
+    assert (rank0["local_rows"][gate], rank1["local_rows"][gate]) == (17, 16)
 
 
 @pytest.mark.parametrize(("values", "fragments"), [
     ({"optimizer": "sgd"}, ("optimizer", "'sgd'", "muon")),
     ({"optimizer": "muon", "muon_learning_rate": 0}, ("muon_learning_rate",)),
     ({"optimizer": "muon", "muon_learning_rate": -0.02}, ("muon_learning_rate",)),
-    ({"optimizer": "muon", "parallelism": "fsdp"}, ("optimizer", "muon", "parallelism", "fsdp")),
 ])
 def test_bad_values_are_one_line_errors_and_write_nothing(tmp_path: Path, tiny_dataset: Path, cli_in_process,
                                                           values: dict, fragments: tuple):
@@ -99,6 +207,25 @@ def test_a_torch_without_muon_is_one_clear_error(tmp_path: Path, tiny_dataset: P
     with pytest.raises(ConfigError, match="torch.optim.Muon") as raised:
         build_optimizer(Transformer(run.model), run.train, torch.device("cpu"))
     assert raised.value.hint
+
+
+def test_a_torch_whose_newton_schulz_nanopt_cannot_call_is_refused_before_training(monkeypatch):
+    # FSDP's Muon calls torch's private Newton-Schulz function with the group's settings of the same names; a torch
+    # whose function wants a setting Muon does not have is one clear error when the optimizer is built.
+    import torch.optim._muon as torch_muon
+
+    from nanopt.train.optim import _torch_newton_schulz
+
+    muon = torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 4))])
+    _torch_newton_schulz(muon)  # this torch: accepted
+
+    def changed(grad, ns_coefficients, ns_steps, eps, new_setting):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", changed)
+    with pytest.raises(ConfigError, match="Newton-Schulz") as raised:
+        _torch_newton_schulz(muon)
+    assert "parallelism" in raised.value.hint
 
 
 def test_estimate_counts_one_momentum_buffer_for_the_muon_matrices(tmp_path: Path, tiny_dataset: Path,

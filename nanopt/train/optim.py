@@ -5,6 +5,11 @@ muon    Muon (torch.optim.Muon: momentum, then Newton-Schulz orthogonalization o
         matrices (the attention and MLP projections of every block), AdamW on the embeddings, the output head,
         norms and biases, which Muon is not meant for. One MuonWithAdamW object steps both.
 
+Under FSDP2 each Muon matrix is a DTensor of which a rank holds some rows, and Muon must orthogonalize the whole
+matrix: `sharded_muon_step` keeps momentum and weight updates on the local rows and gives each rank its share of
+whole matrices to orthogonalize with torch's own Newton-Schulz function, as Dion's distributed Muon does (Moonlight's
+gathers every matrix on every rank and orthogonalizes all of them there: world-size times the work).
+
 Muon's settings follow modded-nanogpt and nanochat: LR 0.02 (`muon_learning_rate`) with torch's default
 "original" adjust_lr_fn (the LR scaled by sqrt(max(1, rows/cols))), Nesterov momentum 0.95. Its decoupled weight
 decay is set so that lr x weight_decay, the fraction by which a matrix shrinks per step, equals AdamW's: the
@@ -13,9 +18,13 @@ decay is set so that lr x weight_decay, the fraction by which a matrix shrinks p
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanopt.config import TrainConfig
 from nanopt.errors import ConfigError
@@ -49,10 +58,12 @@ class MuonWithAdamW:
     keyed by parameter name, so checkpoints keep the "<parameter name>/<state name>" layout of AdamW runs.
     """
 
-    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Optimizer, muon_lr_scale: float) -> None:
+    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Optimizer, muon_lr_scale: float,
+                 sharded: bool = False) -> None:
         self.adamw = adamw
         self.muon = muon
         self.muon_lr_scale = muon_lr_scale  # muon_learning_rate / learning_rate: fixed by the config, never saved
+        self.sharded = sharded  # the Muon matrices are FSDP2 shards: stepped by sharded_muon_step
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -63,8 +74,11 @@ class MuonWithAdamW:
         return [*self.adamw.param_groups, *self.muon.param_groups]
 
     def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
+        self.adamw.step()
+        if self.sharded:
+            sharded_muon_step(self.muon)
+        else:
+            self.muon.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.optimizers:
@@ -92,7 +106,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
     rest = [p for name, p in named if not is_hidden_matrix(name, p)]
     muon = muon_class(matrices, lr=cfg.muon_learning_rate, momentum=MUON_MOMENTUM, nesterov=True,
                       weight_decay=cfg.weight_decay * cfg.learning_rate / cfg.muon_learning_rate)
-    return MuonWithAdamW(_adamw(rest, cfg, device), muon, cfg.muon_learning_rate / cfg.learning_rate)
+    sharded = any(isinstance(p, DTensor) for p in matrices)
+    if sharded:
+        _check_row_sharded(matrices)
+        _torch_newton_schulz(muon)  # fails here, before any training, on a torch whose Muon nanopt cannot reuse
+    return MuonWithAdamW(_adamw(rest, cfg, device), muon, cfg.muon_learning_rate / cfg.learning_rate, sharded)
 
 
 def _adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -101,6 +119,136 @@ def _adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.dev
     return torch.optim.AdamW(decay_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused,
                              foreach=None if fused else True)
+
+
+# ------------------------------------------------------------------------------------------ Muon under FSDP2
+
+
+@torch.no_grad()
+def sharded_muon_step(muon: torch.optim.Optimizer) -> None:
+    """torch.optim.Muon's step for parameters sharded by rows (FSDP2's DTensors), with one process's results.
+
+    torch's own step would orthogonalize each rank's rows as if they were the matrix (or, through DTensor, run
+    collectives inside every Newton-Schulz iteration). Its per-parameter loop (torch.optim._muon
+    ._single_tensor_muon: momentum, orthogonalization, weight decay, update) is therefore repeated here on the
+    local rows, and only the orthogonalization, torch's own function, sees whole matrices (_orthogonalized_rows).
+    The momentum buffers are torch's (`momentum_buffer`, sharded like the gradients), so checkpoints and
+    torch.distributed.checkpoint's state dicts are those of any Muon run.
+    """
+    newton_schulz, adjust_lr = _torch_newton_schulz(muon)
+    # The label torch's own Optimizer.step carries: nanopt profile counts everything inside it as the optimizer's.
+    with torch.profiler.record_function(f"Optimizer.step#{type(muon).__name__}.step"):
+        for group in muon.param_groups:
+            _sharded_group_step(muon, group, newton_schulz, adjust_lr)
+
+
+def _sharded_group_step(muon: torch.optim.Optimizer, group: dict[str, Any], newton_schulz: Callable,
+                        adjust_lr: Callable) -> None:
+    """One parameter group: torch's per-parameter loop, on the local rows, orthogonalizing whole matrices."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    muon._init_group(group, params, grads, buffers)  # creates missing momentum buffers as torch's step does
+    updates = [_momentum_update(g.to_local(), b.to_local(), group) for g, b in zip(grads, buffers, strict=True)]
+    orthogonalized = _orthogonalized_rows(params, updates, functools.partial(newton_schulz, group=group))
+    lr, decay = group["lr"], group["weight_decay"]
+    for param, update in zip(params, orthogonalized, strict=True):
+        rows = param.to_local()  # the rank's rows of the fp32 weight, updated in place
+        rows.mul_(1 - lr * decay)
+        rows.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], param.shape))  # the whole matrix's shape
+
+
+def _momentum_update(grad: torch.Tensor, buffer: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """torch's Muon momentum, elementwise, so the local rows suffice: the buffer in place, then the update."""
+    momentum = group["momentum"]
+    buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+
+def _orthogonalized_rows(params: list[torch.Tensor], updates: list[torch.Tensor],
+                         orthogonalize: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of orthogonalize(whole update), for each parameter sharded by rows (`updates`: its rows).
+
+    Matrices of one shape go in batches of one per rank: an all-to-all gives each rank one whole matrix, each rank
+    orthogonalizes its own, a second all-to-all returns the rows. Every rank does 1/world of the Newton-Schulz work
+    and receives about two matrices' worth of traffic per batch (gathering every matrix on every rank would be
+    world times both), in bf16: torch's Newton-Schulz converts its input to bf16 first, so sending bf16 changes
+    nothing. Every rank walks the same parameters in the same order, as collectives require.
+    """
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for index, param in enumerate(params):
+        by_shape.setdefault(tuple(param.shape), []).append(index)
+    results: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    world = params[0].device_mesh.size() if params else 1
+    for indices in by_shape.values():
+        for start in range(0, len(indices), world):
+            batch = indices[start:start + world]
+            rows = _orthogonalize_one_per_rank(params[batch[0]], [updates[i] for i in batch], orthogonalize)
+            for index, result in zip(batch, rows, strict=True):
+                results[index] = result
+    return results
+
+
+def _orthogonalize_one_per_rank(like: torch.Tensor, updates: list[torch.Tensor],
+                                orthogonalize: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Up to world rows-of-a-matrix updates of `like`'s shape in; this rank's rows of each orthogonalized out."""
+    mesh = like.device_mesh
+    world, me = mesh.size(), mesh.get_local_rank()
+    rows, cols = like.shape
+    local = [u.bfloat16() for u in updates]
+    local += [torch.zeros_like(local[0])] * (world - len(local))  # a short batch: zeros, orthogonalized by nobody
+    shape, stride = (world, rows, cols), (rows * cols, cols, 1)
+    # [matrix, row, col] with rows sharded, as the parameters are -> matrices sharded: matrix `me` whole here.
+    stacked = DTensor.from_local(torch.stack(local), mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+    mine = _resharded(stacked, 0).to_local()
+    done = orthogonalize(mine[0]).unsqueeze(0).contiguous() if me < len(updates) else mine
+    whole = DTensor.from_local(done, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return list(_resharded(whole, 1).to_local().unbind(0))[:len(updates)]
+
+
+def _resharded(tensor: DTensor, dim: int) -> DTensor:
+    """`tensor` sharded on `dim` instead: one all-to-all. Gloo has none, and DTensor's stand-in (an all-gather)
+    logs a warning on every rank; on the CPU the all-gather is asked for by name (to Replicate; from there a
+    shard is a local slice)."""
+    mesh = tensor.device_mesh
+    if mesh.device_type == "cpu":
+        tensor = tensor.redistribute(mesh, [Replicate()])
+    return tensor.redistribute(mesh, [Shard(dim)])
+
+
+def _check_row_sharded(params: list[torch.Tensor]) -> None:
+    """sharded_muon_step handles FSDP2's layout: every matrix sharded by rows over one 1-D mesh."""
+    mesh = params[0].device_mesh
+    for param in params:
+        if not isinstance(param, DTensor) or param.device_mesh != mesh or mesh.ndim != 1 \
+                or tuple(param.placements) != (Shard(0),):
+            raise ValueError(f"Muon under FSDP expects every matrix sharded by rows over one 1-D device mesh, got "
+                             f"{type(param).__name__} {getattr(param, 'placements', None)}")
+
+
+def _torch_newton_schulz(muon: torch.optim.Optimizer) -> tuple[Callable, Callable]:
+    """torch.optim.Muon's own Newton-Schulz orthogonalization, as f(matrix, param group), and LR adjustment.
+
+    Both are private to torch (torch.optim._muon) and their arguments have changed between releases (torch 2.13's
+    Newton-Schulz takes the matrix, ns_coefficients, ns_steps and eps; some releases add use_addmm): every argument
+    after the matrix is the Muon setting of the same name, taken from the parameter group, and a torch whose
+    function differs is refused when the optimizer is built, never mid-run.
+    """
+    try:
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+    except ImportError:
+        _adjust_lr = _zeropower_via_newtonschulz = None
+    settings = [] if _zeropower_via_newtonschulz is None else \
+        list(inspect.signature(_zeropower_via_newtonschulz).parameters)[1:]
+    if _adjust_lr is None or not set(settings) <= set(muon.defaults):
+        raise ConfigError(f"train.json: \"optimizer\": \"muon\" with \"parallelism\": \"fsdp\" reuses "
+                          f"torch.optim.Muon's Newton-Schulz function, which torch {torch.__version__} does not have "
+                          f"in a form nanopt knows", "use \"parallelism\": \"ddp\" with muon, or torch 2.13")
+
+    def newton_schulz(matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        return _zeropower_via_newtonschulz(matrix, **{name: group[name] for name in settings})
+
+    return newton_schulz, _adjust_lr
 
 
 def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
