@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -35,8 +36,15 @@ Examples:
 
   nanopt estimate runs/demo                                # after `nanopt preflight runs/demo`: what it measured
 
+  nanopt estimate runs/llama-3.2-1b --gpu rtx-4090 --num-gpus 8   # which layout fits on 1 to 64 GPUs; is mine one?
+
 The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
 micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
+
+The parallelism table gives, for 1, 2, 4, 8, 16, 32 and 64 GPUs (and --num-gpus), the cheapest layout that fits the
+run's micro-batch on --gpu: DDP, then DDP + activation checkpointing, then FSDP2, then FSDP2 + activation
+checkpointing, or by how much nothing fits; and whether train.json's own layout fits. A warning names the layout to
+set when train.json's does not fit at --num-gpus while another would.
 
 Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
 measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
@@ -57,7 +65,8 @@ def estimate_command(
                                                        "its cores, clock and vector units) and memory, no price "
                                                        "unless --price-per-hour. Default: the device of the run's "
                                                        f"preflight.json, else {DEFAULT_GPU}."),
-    num_gpus: int | None = typer.Option(None, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size). "
+    num_gpus: int | None = typer.Option(None, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size; "
+                                                                 "the parallelism table marks its row). "
                                                                  "Default: the preflight's ranks when estimating for "
                                                                  "its device, else 1."),
     mfu: float | None = typer.Option(None, "--mfu", help="Model FLOPs utilization to assume, as a fraction of the "
@@ -137,7 +146,11 @@ def render(r: dict[str, Any]) -> None:
         table.add_row(label, value)
     out.print(table)
     out.print(_memory_table(r))
+    if r["parallelism"] is not None:
+        _print_parallelism(r["parallelism"])
     _print_verdict(r["fit"])
+    if r["parallelism"] is not None and r["parallelism"]["warning"]:
+        out.print(f"[bold yellow]warning:[/] {escape(r['parallelism']['warning'])}", soft_wrap=True)
 
 
 def _mfu_text(r: dict[str, Any]) -> str:
@@ -195,3 +208,38 @@ def _memory_table(r: dict[str, Any]) -> Table:
     table.add_row("predicted largest micro-batch", str(r["max_micro_batch"] if r["max_micro_batch"] is not None
                                                         else "-"))
     return table
+
+
+def _print_parallelism(p: dict[str, Any]) -> None:
+    """One line per GPU count: the cheapest layout that fits, its memory per GPU, and train.json's own layout."""
+    out = console()
+    table = Table(title=f"parallelism: the cheapest layout that fits {fmt.size(p['gpu_memory_bytes'])} per GPU",
+                  title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0),
+                  caption=f"train.json: its own layout, {_short(p['run_layout'])}; ckpt: activation checkpointing; "
+                          "none: none fits (the leanest shown); free: headroom (-: over); *: --num-gpus")
+    for header in ("GPUs", "layout", "per GPU", "free", "micro-batch", "train.json"):
+        table.add_column(header, justify="right" if header in ("GPUs", "per GPU", "free") else "left", no_wrap=True)
+    for row in p["rows"]:
+        own, this_run = row["run_layout"], row["gpus"] == p["run_gpus"]
+        table.add_row(
+            f"{row['gpus']} *" if this_run else str(row["gpus"]),
+            _short(row["layout"]) if row["fits"] else f"[red]none[/] ({_short(row['layout'])})",
+            fmt.size(row["memory_bytes"]), _signed(row["headroom_bytes"]),
+            f"{row['micro_batch_size']} (max {row['max_micro_batch']})",
+            "fits" if own["fits"] else f"[red]{_signed(p['gpu_memory_bytes'] - own['memory_bytes'])}[/]",
+            style="bold" if this_run else None)
+    out.print(table)
+    for row in p["rows"]:
+        if row["note"]:
+            out.print(f"  {escape(str(row['gpus']))} GPUs: {escape(row['note'])}", soft_wrap=True)
+
+
+def _short(layout: dict[str, Any]) -> str:
+    """A layout's name as the compact table gives it (its full name is in --json and in the warning)."""
+    return ("FSDP2" if layout["parallelism"] == "fsdp" else "DDP") + (
+        " + ckpt" if layout["activation_checkpointing"] else "")
+
+
+def _signed(free: int) -> str:
+    return fmt.size(free) if free >= 0 else f"-{fmt.size(-free)}"
