@@ -116,6 +116,17 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runti
                    precision=resolve_precision(precision, device))
 
 
+def new_cpu_group(rt: Runtime) -> Any:
+    """A gloo process group over all ranks, for work on host memory beside the training collectives (a checkpoint
+    written in the background): its collectives never interleave with the training group's. A collective: every
+    rank calls it at the same point. None in a single process."""
+    if not rt.distributed:
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s()))
+
+
 def quiesce(rt: Runtime) -> None:
     """A last barrier, entered by every rank together, before the process group is torn down.
 

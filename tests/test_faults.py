@@ -430,12 +430,20 @@ UNSAFE = re.compile(r"^\s*(import|from)\s+(c?pickle|dill|joblib)\b|\b(c?pickle|d
                     r"|allow_pickle\s*=\s*True|trust_remote_code\s*=\s*True")
 
 
+# The one exception: the shard index of a sharded checkpoint (DCP's `.metadata`, a pickle) is read by an unpickler
+# that builds only the index's own classes (tests/test_sharded_checkpoints.py feeds it a crafted index).
+ALLOW_LISTED = {("nanopt/train/sharded.py", "import pickle"),
+                ("nanopt/train/sharded.py", "class _IndexUnpickler(pickle.Unpickler):")}
+
+
 def test_the_package_never_unpickles_or_runs_remote_code():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             unsafe_torch_load = "torch.load(" in code and "weights_only=True" not in code
+            if (str(path.relative_to(REPO)), line.strip()) in ALLOW_LISTED:
+                continue
             if unsafe_torch_load or UNSAFE.search(code):
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not offenders, offenders

@@ -241,12 +241,6 @@ def train_resume_with_another_seed(w: World) -> Case:
     return Case(["train", run], ("cannot resume", "train.seed: 7 -> 8", "start a new run directory"), "fork")
 
 
-def train_resume_on_another_world_size(w: World) -> Case:
-    run = w.copy(w.trained)
-    return Case(["train", run, "--no-live", "--nproc-per-node", "2"], ("world_size: 1 -> 2", "--allow-changed"),
-                "subprocess")
-
-
 def train_resume_missing_checkpoint(w: World) -> Case:
     run = w.copy(w.trained)
     return Case(["train", run, "--resume", "step-000999"], ("checkpoint 'step-000999' does not exist",
@@ -309,7 +303,7 @@ CASES = [estimate_malformed_json, estimate_impossible_shape, estimate_unknown_gp
          train_wrong_type, train_inexact_batch, train_set_without_value, train_dataset_missing,
          train_dataset_without_meta, train_dataset_meta_not_json, train_split_shorter_than_one_sequence,
          train_model_vocab_smaller_than_the_data, train_token_ids_out_of_range, train_shard_with_another_dtype,
-         train_resume_with_another_seed, train_resume_on_another_world_size, train_resume_missing_checkpoint,
+         train_resume_with_another_seed, train_resume_missing_checkpoint,
          train_resume_name_outside_the_run, eval_data_with_another_tokenizer, eval_best_without_in_loop_eval,
          eval_corrupted_checkpoint_chosen_explicitly, eval_checkpoint_name_outside_the_run,
          export_into_a_non_empty_directory, export_missing_checkpoint]

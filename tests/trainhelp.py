@@ -38,5 +38,12 @@ def eval_losses(run: Path) -> dict[int, float]:
 
 
 def final_weights_hash(run: Path) -> str:
-    latest = (run / "checkpoints" / "latest").read_text().strip()
-    return hashlib.sha256((run / "checkpoints" / latest / "model.safetensors").read_bytes()).hexdigest()
+    """A hash of the weights `latest` holds, tensor by tensor in name order: the same for either checkpoint layout
+    (one safetensors file, or shards written by several ranks)."""
+    from nanopt.train.checkpoint import load_model_state, resolve
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_model_state(resolve(run, "latest")).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()

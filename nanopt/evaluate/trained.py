@@ -24,7 +24,7 @@ from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import from_dict, path_kind
-from nanopt.train.checkpoint import Checkpoint, load_model_state, resolve
+from nanopt.train.checkpoint import Checkpoint, load_weights, resolve
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 
@@ -195,10 +195,5 @@ def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
     """
     with torch.device(device):
         model = Transformer(trained.run.model)
-    try:
-        model.load_state_dict(load_model_state(trained.checkpoint), strict=True)
-    except RuntimeError as exc:
-        first_line = str(exc).strip().splitlines()[-1].strip()
-        raise CheckpointError(f"{trained.checkpoint.path}: weights do not match its own model config "
-                              f"({first_line})", "use another checkpoint") from None
+    load_weights(model, trained.checkpoint)  # tensor by tensor, either layout: one copy of the weights in memory
     return model.eval()

@@ -36,8 +36,9 @@ preflight.json (`version` 1), one JSON object:
                                measured (every measured step's loss, null where not finite)
     eval_s, eval_first_s       one in-loop evaluation: a later one, and the first (which pays once, e.g. for
                                compiling the evaluation); null with eval_interval 0
-    checkpoint_s               one checkpoint save (gathered, written and fsynced as training does, into a
-                               scratch directory beside the run directory, removed afterwards)
+    checkpoint_s               how long one checkpoint save blocks the step (copied to host memory, then written
+                               in the background as training does, into a scratch directory beside the run
+                               directory, waited for and removed afterwards)
     setup_s                    process start (as `nanopt train` bills it) to the first step, a find-batch search
                                excluded, plus the first step when compiled
     projection                 seconds per phase (setup, train, eval, checkpoint) for the whole run; total_s;
@@ -383,20 +384,21 @@ def _time_evaluation(session: Any) -> float:
 
 
 def _time_checkpoint(session: Any) -> float:
-    """One checkpoint saved exactly as training saves it (nanopt.train.save: the full state gathered from every
-    rank, rank 0 writing and fsyncing it), into a scratch directory beside the run directory (the disk the run
-    writes to) instead of the run's own, removed afterwards whatever happens."""
-    from nanopt.train.save import save_checkpoint
+    """How long one checkpoint blocks the step, saved exactly as training saves it (nanopt.train.save: the state
+    copied to host memory, then written in the background), into a scratch directory beside the run directory (the
+    disk the run writes to) instead of the run's own, waited for, and removed afterwards whatever happens."""
+    from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 
     own = session.run
     scratch = _scratch_directory(session)
     if scratch is not None:
         session.run = replace(own, run_dir=scratch)
     try:
-        started = time.perf_counter()
-        save_checkpoint(session)
-        return time.perf_counter() - started
+        blocked = save_checkpoint(session)
+        wait_for_save(session)
+        return blocked
     finally:
+        wait_quietly(session)  # after an error: the background writer must not write into a removed directory
         session.run = own
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

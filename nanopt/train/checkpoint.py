@@ -1,20 +1,23 @@
 """Checkpoints: complete-or-not-at-all, verified by checksum, resumable on any world size.
 
     checkpoints/step-000600/
-      model.safetensors       the unwrapped model's weights (tied weights once)
-      optimizer.safetensors   AdamW moments and steps (Muon momentum buffers), as "<param fqn>/<state name>"
+      model.safetensors       one process ("full" layout): the model's weights (tied weights once)
+      optimizer.safetensors   its AdamW moments and steps (Muon momentum buffers), as "<param fqn>/<state name>"
+      .metadata, __R_N.distcp several ranks ("sharded" layout): torch.distributed.checkpoint's index and each rank's
+                              shards of the same tensors, under "model." and "optimizer.state." (nanopt.train.sharded)
       tokenizer.json          the exact tokenizer the run trained with, so eval, export and sampling need no
                               dataset (checkpoints from before it was carried lack it: their dataset has it)
-      meta.json               step, tokens, every rank's loader and RNG state, config snapshot, metrics,
+      meta.json               layout, step, tokens, every rank's loader and RNG state, config snapshot, metrics,
                               optimizer param groups, the EOS id, sha256 of every file; written last
     checkpoints/latest        a one-line file naming the newest complete checkpoint, replaced atomically
     checkpoints/best          the same for the lowest validation loss
 
-A checkpoint is assembled in `.tmp-step-N/` and renamed into place, so a killed process leaves either the
-old set of checkpoints or the new one. Weights and optimizer state are full (unsharded) tensors gathered
-with torch.distributed.checkpoint's state-dict API, so DDP, FSDP and single-process runs read each other's
-checkpoints. No pickle: tensors in safetensors, everything else JSON. Every file gets the permissions a plain
-open() / mkdir() gives (0666 / 0777 minus the umask), so others on a shared machine can read a run.
+A checkpoint is assembled in `.tmp-step-N/` (`begin`), then `publish`ed: checksums, meta.json, fsync, a rename into
+place and the `latest` pointer, in that order, so a process killed at any moment (also while a save runs in the
+background) leaves either the old set of checkpoints or the new one. Either layout resumes on any world size and
+is read by eval and export. No pickle of ours: tensors in safetensors or DCP shards, everything else JSON. Every
+file gets the permissions a plain open() / mkdir() gives (0666 / 0777 minus the umask), so others on a shared
+machine can read a run.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from safetensors.torch import load_file, save_file
 
 from nanopt.errors import CheckpointError
 from nanopt.rundir import RunDir, step_dir_name
+from nanopt.train import sharded
 
 FORMAT_VERSION = 1
 STEP_NAME = re.compile(r"step-(\d+)")
-_FILES = ("model.safetensors", "optimizer.safetensors")  # in every checkpoint
+FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
+_FILES = ("model.safetensors", "optimizer.safetensors")  # in every full checkpoint
 TOKENIZER_FILE = "tokenizer.json"  # in those written since checkpoints carry their tokenizer
 
 
@@ -50,6 +55,10 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.meta["step"])
+
+    @property
+    def layout(self) -> str:
+        return self.meta.get("layout", FULL)
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -75,25 +84,54 @@ def sha256(path: Path) -> str:
 
 def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
                      optimizer_state: dict[str, Any], meta: dict[str, Any], tokenizer: Path | None = None) -> Path:
-    """Write one checkpoint atomically (rank 0 only). Raises CheckpointError if the disk refuses.
+    """Write one full-layout checkpoint atomically (one process). Raises CheckpointError if the disk refuses.
 
     `tokenizer` (the dataset's tokenizer.json) is copied in when it is still the file meta's `tokenizer_sha256`
     names, so the checkpoint is usable without the dataset."""
+    tmp = begin(run_dir, step)
+    groups = write_full(run_dir, step, tmp, model_state, optimizer_state)
+    return publish(run_dir, step, {**meta, "layout": FULL, "optimizer_param_groups": groups}, tokenizer)
+
+
+def write_full(run_dir: Path, step: int, tmp: Path, model_state: dict[str, torch.Tensor],
+               optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The full layout's two safetensors files into `tmp`; returns the optimizer's param groups for meta.json."""
+    try:
+        save_tensors(_contiguous(model_state), tmp / "model.safetensors")
+        tensors, groups = flatten_optimizer_state(optimizer_state)
+        save_tensors(tensors, tmp / "optimizer.safetensors")
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+        raise _write_failed(tmp, RunDir(run_dir).step_dir(step), exc) from None
+    return groups
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """The empty `.tmp-step-N/` a checkpoint is assembled in (made by rank 0; every rank writes into it)."""
     root = checkpoints_dir(run_dir)
-    final = RunDir(run_dir).step_dir(step)
-    tmp = root / f".tmp-{final.name}"
+    tmp = root / f".tmp-{step_dir_name(step)}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_tensors(_contiguous(model_state), tmp / "model.safetensors")
-        tensors, groups = flatten_optimizer_state(optimizer_state)
-        save_tensors(tensors, tmp / "optimizer.safetensors")
-        files = {name: sha256(tmp / name) for name in _FILES}
+    except OSError as exc:
+        raise _write_failed(tmp, RunDir(run_dir).step_dir(step), exc) from None
+    return tmp
+
+
+def publish(run_dir: Path, step: int, meta: dict[str, Any], tokenizer: Path | None = None) -> Path:
+    """Turn the assembled `.tmp-step-N/` into step-N: checksum every file in it, add the tokenizer, write meta.json
+    last, fsync, rename into place, then point `latest` at it (rank 0). On failure the temporary directory is removed
+    and the earlier checkpoints and pointers are as they were."""
+    final = RunDir(run_dir).step_dir(step)
+    root = final.parent
+    tmp = root / f".tmp-{final.name}"
+    try:
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        if meta.get("layout") == SHARDED:
+            sharded.check_complete(tmp, list(files))
         if tokenizer is not None and _copy_tokenizer(tokenizer, tmp / TOKENIZER_FILE, meta.get("tokenizer_sha256")):
             files[TOKENIZER_FILE] = meta["tokenizer_sha256"]
-        full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
-                     "files": files}
+        full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "files": files}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1), encoding="utf-8")
         _fsync_dir_files(tmp)
         if final.exists():  # a re-run of the same step (e.g. after a crash between rename and pointer)
@@ -101,12 +139,24 @@ def write_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tens
         tmp.rename(final)
         _fsync(root)
         write_pointer(root, "latest", final.name)
-    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+    except (OSError, SafetensorError) as exc:
+        raise _write_failed(tmp, final, exc) from None
+    except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        hint = "free disk space or fix permissions; earlier checkpoints and 'latest' are intact"
-        reason = getattr(exc, "strerror", None) or exc
-        raise CheckpointError(f"could not write checkpoint {final}: {reason}", hint) from None
+        raise
     return final
+
+
+def abandon(run_dir: Path, step: int) -> None:
+    """Remove the `.tmp-step-N/` of a save that failed on some rank."""
+    shutil.rmtree(checkpoints_dir(run_dir) / f".tmp-{step_dir_name(step)}", ignore_errors=True)
+
+
+def _write_failed(tmp: Path, final: Path, exc: BaseException) -> CheckpointError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    hint = "free disk space or fix permissions; earlier checkpoints and 'latest' are intact"
+    reason = getattr(exc, "strerror", None) or exc
+    return CheckpointError(f"could not write checkpoint {final}: {reason}", hint)
 
 
 def _copy_tokenizer(source: Path, target: Path, expected_sha256: str | None) -> bool:
@@ -250,8 +300,9 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 
 def verify(path: Path) -> Checkpoint:
-    """Open a checkpoint: meta.json well-formed, every file present, matching its checksum and readable as
-    safetensors. CheckpointError says what is wrong."""
+    """Open a checkpoint: meta.json well-formed, every file present, matching its checksum and readable (as
+    safetensors, or as a shard index that names only files the checkpoint holds). CheckpointError says what is
+    wrong."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
@@ -267,8 +318,10 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointError(f"{path}: {name} is missing", "use another checkpoint")
         if sha256(file) != expected:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)", "use another checkpoint")
-        if name != TOKENIZER_FILE:  # parsed by whoever uses it (nanopt.evaluate.trained), not needed to resume
+        if name.endswith(".safetensors"):  # the tokenizer is parsed by whoever uses it (nanopt.evaluate.trained)
             _check_safetensors(file)
+    if meta.get("layout") == SHARDED:
+        sharded.check_complete(path, list(meta["files"]))
     return Checkpoint(path=path, meta=meta)
 
 
@@ -277,7 +330,8 @@ def verify(path: Path) -> Checkpoint:
 _REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "optimizer_param_groups": list,
              "world_size": int, "ranks": list, "config": dict}
 _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
-             "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int}
+             "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int,
+             "layout": str}
 
 
 def check_meta(meta_path: Path, meta: Any) -> None:
@@ -295,9 +349,7 @@ def check_meta(meta_path: Path, meta: Any) -> None:
             raise bad(f"'{key}' is {type(meta[key]).__name__} {str(meta[key])[:40]!r}")
     if meta["step"] < 0 or meta["tokens"] < 0 or meta["world_size"] < 1:
         raise bad("step, tokens or world_size out of range")
-    if set(meta["files"]) - {TOKENIZER_FILE} != set(_FILES) or not all(isinstance(v, str)
-                                                                       for v in meta["files"].values()):
-        raise bad(f"'files' must name {' and '.join(_FILES)} (and may name {TOKENIZER_FILE}) with their sha256")
+    _check_files(meta, bad)
     if TOKENIZER_FILE in meta["files"] and (meta.get("tokenizer_sha256") != meta["files"][TOKENIZER_FILE]
                                             or "eos_id" not in meta):
         raise bad(f"a carried {TOKENIZER_FILE} needs its 'eos_id' and the same sha256 as 'tokenizer_sha256'")
@@ -306,6 +358,21 @@ def check_meta(meta_path: Path, meta: Any) -> None:
         raise bad("'ranks' must list each rank's loader and RNG state")
     if not all(isinstance(meta["config"].get(part), dict) for part in ("model", "train")):
         raise bad("'config' must hold the model and train settings")
+
+
+def _check_files(meta: dict[str, Any], bad: Any) -> None:
+    """meta.json's `files`: what its layout writes (and perhaps the tokenizer), each with a sha256 string."""
+    files, layout = meta["files"], meta.get("layout", FULL)
+    names = set(files) - {TOKENIZER_FILE}
+    if layout == FULL:
+        ok, expected = names == set(_FILES), " and ".join(_FILES)
+    elif layout == SHARDED:
+        ok = sharded.METADATA_FILE in names and all(sharded.is_shard_file(n) for n in names)
+        expected = f"{sharded.METADATA_FILE} and shard files __R_N.distcp"
+    else:
+        raise bad(f"'layout' is {layout[:20]!r}, not {FULL!r} or {SHARDED!r}")
+    if not ok or not all(isinstance(v, str) for v in files.values()):
+        raise bad(f"'files' must name {expected} (and may name {TOKENIZER_FILE}) with their sha256")
 
 
 def _check_safetensors(file: Path) -> None:
@@ -395,11 +462,39 @@ def _named(root: Path, name: str) -> Path:
 
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Weights from safetensors, with tied aliases restored as the model's state_dict expects them."""
-    state = load_file(str(ckpt.path / "model.safetensors"))
+    """The whole model's weights on the CPU, as the model's state_dict names them (tied aliases restored); a sharded
+    checkpoint is consolidated here, tensor by tensor, into one copy of the weights."""
+    state = (load_file(str(ckpt.path / "model.safetensors")) if ckpt.layout == FULL
+             else sharded.read_model_state(ckpt.path))
     for alias, source in ckpt.meta.get("tied", {}).items():
         state[alias] = state[source]
     return state
+
+
+def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's weights into `model` (one process, any layout), tensor by tensor: memory stays at the
+    model plus one tensor, not twice the model. CheckpointError when names or shapes differ from the model's."""
+    aliases = ckpt.meta.get("tied", {})
+    if ckpt.layout == SHARDED:
+        sharded.load_model_weights(model, ckpt.path, aliases)
+        return
+    target = {key: value for key, value in model.state_dict().items() if key not in aliases}
+    with safe_open(str(ckpt.path / "model.safetensors"), framework="pt") as stored:
+        names = set(stored.keys())
+        if names != set(target):
+            raise _mismatch(ckpt, f"missing {sorted(set(target) - names)[:3]}, unexpected "
+                                  f"{sorted(names - set(target))[:3]}")
+        with torch.no_grad():
+            for key, tensor in target.items():
+                value = stored.get_tensor(key)
+                if value.shape != tensor.shape:
+                    raise _mismatch(ckpt, f"{key} is {tuple(value.shape)}, the model's {tuple(tensor.shape)}")
+                tensor.copy_(value)
+
+
+def _mismatch(ckpt: Checkpoint, what: str) -> CheckpointError:
+    return CheckpointError(f"{ckpt.path}: weights do not match its own model config ({what})",
+                           "use another checkpoint")
 
 
 def load_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
-from nanopt.train.save import save_checkpoint
+from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
 from nanopt.train.step import step
 
@@ -202,10 +202,15 @@ def loop(s: Session) -> dict[str, Any]:
             maybe_checkpoint(s, force=stop)
             window.time += time.perf_counter() - paused  # tokens/s measures training steps only
             if stop:
+                with s.clock.phase("checkpoint"):
+                    wait_for_save(s)
                 s.observer.note(f"preempted: saved step {s.state.step}; run `nanopt train {s.run.run_dir}` to "
                                 "continue exactly where it stopped")
                 break
+        with s.clock.phase("checkpoint"):
+            wait_for_save(s)  # the run is not done until its last checkpoint is
     except BaseException:
+        wait_quietly(s)
         s.observer.stop()
         _record_phases(s, best_effort=True)
         s.metrics.close()  # TensorBoard / W&B finish here: a torchrun rank leaves with os._exit
@@ -247,6 +252,7 @@ def _eval_keeping_the_checkpoint(s: Session) -> None:
         maybe_eval(s)
     except NanoptError:
         maybe_checkpoint(s, force=True)
+        wait_for_save(s)
         raise
 
 

@@ -1,4 +1,5 @@
-"""Applied to a built model: activation checkpointing, FSDP2 or DDP, torch.compile; and full state dicts.
+"""Applied to a built model: activation checkpointing, FSDP2 or DDP, torch.compile; and its state dicts, full or
+sharded.
 
 The model module stays pure; everything about devices and ranks happens here. `Prepared.raw` is the
 unwrapped module (FSDP2 shards it in place), whose parameter names are the checkpoint's keys.
@@ -108,7 +109,7 @@ def _shard(model: torch.nn.Module, rt: Runtime) -> None:
     fully_shard(model, mp_policy=policy)
 
 
-# ----------------------------------------------------------------------------------- full state dicts
+# ------------------------------------------------------------------------------------------ state dicts
 
 
 def full_model_state(prepared: Prepared) -> dict[str, torch.Tensor]:
@@ -128,3 +129,35 @@ def load_full_model_state(prepared: Prepared, state: dict[str, torch.Tensor]) ->
 def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
                               state: dict[str, Any]) -> None:
     set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state, options=FULL)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} for each parameter registered under a second name (tied input and output embeddings): a
+    checkpoint stores it once."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW) -> dict[str, Any]:
+    """{"model": ..., "optimizer": ...} as each rank holds them: FSDP2's DTensor shards (DDP: the replicated
+    tensors), keyed by parameter name, tied aliases left out. No collective for the weights; a fresh optimizer's
+    state is created (zeros) so that the dict can also serve as the template a checkpoint is loaded into."""
+    aliases = tied_aliases(prepared.raw)
+    model = {k: v for k, v in get_model_state_dict(prepared.raw).items() if k not in aliases}
+    return {"model": model, "optimizer": get_optimizer_state_dict(prepared.raw, optimizers_of(optimizer))}
+
+
+def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
+                       state: dict[str, Any]) -> None:
+    """Put back a `sharded_state` dict (filled from a checkpoint) into the model and optimizer."""
+    model = dict(state["model"])
+    for alias, name in tied_aliases(prepared.raw).items():
+        model[alias] = model[name]
+    set_model_state_dict(prepared.raw, model)
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state["optimizer"])

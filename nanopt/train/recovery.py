@@ -23,6 +23,7 @@ from typing import Any
 from nanopt.runtime import broadcast_object
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.resume import load_checkpoint
+from nanopt.train.save import wait_for_save
 from nanopt.train.schedule import recovery_lr_multiplier
 from nanopt.train.session import Session
 from nanopt.train.step import diverged
@@ -102,6 +103,7 @@ def roll_back(s: Session, reason: str, first_bad: int, loss: float, what: str) -
     st, cfg = s.state, s.run.train
     if st.recoveries >= cfg.max_recoveries:
         raise diverged(s, f"{what}, after {st.recoveries} automatic recoveries (max_recoveries)")
+    wait_for_save(s)  # a checkpoint still being written may be the one to roll back to, and must not move `latest`
     # The loss of step k is measured on the weights step k - 1 left, and the checkpoint of step k - 1 holds them.
     target = _checkpoint_before(s, first_bad - 1)
     if target is None:

@@ -2,9 +2,12 @@
 
 Three kinds of setting:
 - free: logging, eval and checkpoint cadence, compile, activation checkpointing; they do not change the maths.
-- allowed with --allow-changed: the learning-rate schedule, the budget, clipping, weight decay, micro-batch
-  size (the global batch stays) and the world size (the loader's position is global, so the same samples
-  follow on any number of ranks).
+- allowed with --allow-changed: the learning-rate schedule, the budget, clipping, weight decay and the micro-batch
+  size (the global batch stays).
+- the world size is free too: the loader's position is global (the same samples follow on any number of ranks)
+  and either checkpoint layout reshards the optimizer state, so an elastic restart on fewer or more ranks needs
+  no person. Exact: the data order and the state; not bitwise: the losses (sums reduced in another order), and
+  dropout's random streams, which continue only on the same world size.
 - never: the model, the dataset, seq_len, the global batch and the seed; the run would silently be another.
 """
 
@@ -19,9 +22,11 @@ from typing import Any
 
 from nanopt.config import ModelConfig, RunConfig, TrainConfig
 from nanopt.errors import ResumeError
+from nanopt.runtime import new_cpu_group
 from nanopt.train import checkpoint as ckpt
+from nanopt.train import sharded
 from nanopt.train.metrics import read_metrics
-from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state
+from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state, load_sharded_state, sharded_state
 from nanopt.train.session import Session
 
 # `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
@@ -54,11 +59,9 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
     return diffs
 
 
-def check_resumable(meta: dict[str, Any], run: RunConfig, world_size: int, fingerprint: str,
+def check_resumable(meta: dict[str, Any], run: RunConfig, fingerprint: str,
                     allow_changed: bool) -> None:
     diffs = [d for d in config_differences(meta["config"], run.snapshot()) if d[0].split(".", 1)[1] not in FREE]
-    if meta.get("world_size") != world_size:
-        diffs.append(("world_size", meta.get("world_size"), world_size))
     if meta.get("data_fingerprint") not in (None, fingerprint):
         diffs.append(("data (dataset contents)", meta.get("data_fingerprint"), fingerprint))
     if not diffs:
@@ -83,21 +86,41 @@ def maybe_resume(s: Session) -> None:
     if found is None:
         s.metrics.truncate_after(0)
         return
-    check_resumable(found.meta, s.run, s.rt.world_size, data_fingerprint(s.dataset), s.opts.allow_changed)
+    check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed)
     load_checkpoint(s, found)
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
         s.metrics.truncate_after(found.step)
         s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
     s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
+    if found.meta["world_size"] != s.rt.world_size:
+        s.observer.note(f"the checkpoint was written by {found.meta['world_size']} rank(s), this run has "
+                        f"{s.rt.world_size}: the data continues at the same sample and the optimizer state is "
+                        "resharded; losses may differ in the last digits (sums reduced in another order)")
 
 
 def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
     """Put a live session back to `found`: weights, optimizer moments, counters, loader position and RNGs (on
-    resume, and on an automatic rollback: nanopt.train.recovery)."""
-    load_full_model_state(s.prepared, ckpt.load_model_state(found))
-    load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
+    resume, and on an automatic rollback: nanopt.train.recovery). Either layout, written on any world size: each
+    rank reads the part it holds now."""
+    if found.layout == ckpt.SHARDED:
+        _load_sharded(s, found)
+    else:
+        load_full_model_state(s.prepared, ckpt.load_model_state(found))
+        load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
     s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
+
+
+def _load_sharded(s: Session, found: ckpt.Checkpoint) -> None:
+    """DCP fills this rank's own tensors (the session's state as a template) with their part of the checkpoint;
+    the optimizer's param groups come from meta.json."""
+    template = sharded_state(s.prepared, s.optimizer)
+    if s.rt.distributed and s.checkpoint_group is None:
+        s.checkpoint_group = new_cpu_group(s.rt)
+    filled = sharded.tensors_only(template)
+    sharded.load(filled, found.path, s.checkpoint_group)
+    optimizer = {"state": filled["optimizer"]["state"], "param_groups": found.meta["optimizer_param_groups"]}
+    load_sharded_state(s.prepared, s.optimizer, {"model": filled["model"], "optimizer": optimizer})
 
 
 def _start_fresh(s: Session) -> None:

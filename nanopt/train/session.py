@@ -54,6 +54,8 @@ class Session:
     earlier: list[dict[str, Any]] = field(default_factory=list)  # earlier sessions' phase records (rank 0)
     eval_share_warned: bool = False
     spike_watch: Any = None  # nanopt.train.recovery.SpikeWatch, set by the training loop when recovery is on
+    pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
+    checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
 
     @property
     def state(self) -> Counters:

@@ -1,0 +1,177 @@
+"""Model and optimizer state as torch.distributed.checkpoint (DCP) shards: what a checkpoint of a run on several
+ranks holds instead of two safetensors files.
+
+Every rank writes the part of the state it owns (FSDP2: its shards; DDP: an even share of the replicated tensors,
+DCP's deduplication), so no rank ever holds the whole model, and the checkpoint reads back on any number of ranks:
+DCP reshards what each rank loads to its own layout. One process (eval, export) reads it without a process group,
+straight into the model's own tensors, so memory stays at one copy of the weights.
+
+Only tensors go into the shards: the optimizer's parameter groups (and everything else that is not a tensor) are in
+meta.json. DCP's own `.metadata` index is a pickle; nanopt reads it with an unpickler that builds only the index's
+own classes (DCP's metadata dataclasses, torch.Size, dtypes, paths), so a crafted checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from nanopt.errors import CheckpointError
+
+METADATA_FILE = ".metadata"  # DCP's index of every tensor and the shard file holding each piece
+SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # one (or more) per rank: __<rank>_<n>.distcp
+
+
+def is_shard_file(name: str) -> bool:
+    return name == METADATA_FILE or SHARD_FILE.fullmatch(name) is not None
+
+
+def tensors_only(state: dict[str, Any]) -> dict[str, Any]:
+    """{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {name: tensor}}}}: the optimizer's param_groups (plain
+    numbers and names) travel in meta.json instead, and a plain number in the state becomes a tensor."""
+    optimizer = {fqn: {name: value if torch.is_tensor(value) else torch.tensor(value) for name, value in entry.items()}
+                 for fqn, entry in state["optimizer"]["state"].items()}
+    return {"model": state["model"], "optimizer": {"state": optimizer}}
+
+
+def save_async(state: dict[str, Any], directory: Path, group: Any) -> Future:
+    """Start writing `state` (see tensors_only) into `directory` on every rank; returns once DCP has copied the
+    state to host memory (the training step may change the weights from then on). The future completes on every
+    rank once all ranks' shards and the index are written and synced."""
+    return dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
+
+
+def save(state: dict[str, Any], directory: Path, group: Any) -> None:
+    """The same, waiting for the write (nanopt's benchmarks compare the two)."""
+    dcp.save(state, checkpoint_id=str(directory), process_group=group)
+
+
+def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
+    """Fill `state`'s tensors in place from the checkpoint in `directory`, whatever world size wrote it. `group`
+    None: this process alone reads it (no process group needed)."""
+    _check_all_tensors(state, directory)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
+        try:
+            dcp.load(state, storage_reader=_IndexCheckingReader(str(directory)), process_group=group,
+                     no_dist=group is None)
+        except dcp.CheckpointException as exc:  # a shard unreadable on some rank: every rank raises it
+            raise CheckpointError(f"{directory}: cannot read the shards ({str(exc).splitlines()[0][:160]})",
+                                  "use another checkpoint") from None
+
+
+def load_model_weights(model: torch.nn.Module, directory: Path, aliases: dict[str, str]) -> None:
+    """Read the model part of a sharded checkpoint into `model`'s own parameters and buffers, tensor by tensor
+    (memory: the model once, plus DCP's read buffers). `aliases` are tied names that are stored once."""
+    target = {key: value for key, value in model.state_dict().items() if key not in aliases}
+    stored = _model_entries(directory)
+    problems = [f"missing {sorted(set(target) - set(stored))[:3]}" if set(target) - set(stored) else "",
+                f"unexpected {sorted(set(stored) - set(target))[:3]}" if set(stored) - set(target) else ""]
+    problems += [f"{key} is {tuple(stored[key].size)}, the model's {tuple(t.shape)}" for key, t in target.items()
+                 if key in stored and tuple(stored[key].size) != tuple(t.shape)]
+    if any(problems):
+        raise CheckpointError(f"{directory}: weights do not match its own model config "
+                              f"({'; '.join(p for p in problems if p)})", "use another checkpoint")
+    with torch.no_grad():
+        load({"model": target}, directory)
+
+
+def check_complete(directory: Path, files: list[str]) -> None:
+    """CheckpointError unless DCP's index reads and every shard file it points to is among `files`: a shard written
+    by a node whose disk the others cannot see would otherwise be missing only when someone resumes."""
+    index = _index(directory)
+    needed = {info.relative_path for info in (index.storage_data or {}).values()}
+    absent = sorted(needed - set(files))
+    if absent:
+        raise CheckpointError(f"{directory}: the shard index names {absent[:3]}, which the checkpoint does not hold "
+                              "(multi-node runs need the run directory on a filesystem every node sees)",
+                              "use another checkpoint")
+
+
+def _model_entries(directory: Path) -> dict[str, TensorStorageMetadata]:
+    """{weight name: its size and dtype} from the index, for the model part."""
+    prefix = "model."
+    return {key[len(prefix):]: meta for key, meta in _index(directory).state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+
+def _index(directory: Path) -> Any:
+    path = directory / METADATA_FILE
+    try:
+        index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as exc:  # truncated, foreign or crafted: pickle, OSError, ... all mean "unreadable"
+        raise CheckpointError(f"{path}: not a readable shard index ({str(exc)[:120]})",
+                              "use another checkpoint") from None
+    if not isinstance(index, dcp_metadata.Metadata):
+        raise CheckpointError(f"{path}: not a shard index (it holds a {type(index).__name__})",
+                              "use another checkpoint")
+    return index
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds only what DCP's index is made of; any other global (os.system, builtins.eval, ...) is refused, so
+    reading a crafted `.metadata` cannot run code."""
+
+    _MODULES = {"torch.distributed.checkpoint.metadata"}
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if (module in self._MODULES or (module, name) in self._NAMES
+                                                     or module == "torch") else None
+        if found is None or (module == "torch" and name != "Size" and not isinstance(found, torch.dtype)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a shard index")
+        return found
+
+
+class _IndexCheckingReader(FileSystemReader):
+    """DCP's file reader, reading the index through _IndexUnpickler instead of an unrestricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        index = _index(Path(self.path))
+        if hasattr(dcp_metadata, "StorageMeta") and getattr(index, "storage_meta", None) is None:
+            index.storage_meta = dcp_metadata.StorageMeta()
+        if getattr(index, "storage_meta", None) is not None and hasattr(self, "load_id"):
+            index.storage_meta.load_id = self.load_id
+        return index
+
+
+def _check_all_tensors(state: dict[str, Any], directory: Path) -> None:
+    """Every key asked for is stored as a tensor: DCP unpickles a non-tensor entry without restriction (no
+    weights_only), which would run whatever code a crafted checkpoint holds."""
+    stored = _index(directory).state_dict_metadata
+    for key in _flat_keys(state):
+        if key in stored and not isinstance(stored[key], TensorStorageMetadata):
+            raise CheckpointError(f"{directory}: '{key}' is stored as an object, not a tensor (not written by nanopt)",
+                                  "use another checkpoint")
+
+
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            keys += _flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def read_model_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The model part of a sharded checkpoint as whole tensors on the CPU (one process, no process group), each
+    allocated once from the index and filled in place: one copy of the weights."""
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in _model_entries(directory).items()}
+    load({"model": state}, directory)
+    return state
