@@ -1,8 +1,8 @@
 """Where and how a process runs: device, dtype, seeding, ranks, process groups, and what the device holds.
 
-The only reader of torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): `ranks()` answers without importing
-torch, so the CLI can ask which rank it is on its fast paths. Torch is imported inside the functions that need
-it for the same reason.
+The only reader of torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE; TORCHELASTIC_RESTART_COUNT and
+TORCHELASTIC_MAX_RESTARTS in `restarts()`): `ranks()` answers without importing torch, so the CLI can ask which
+rank it is on its fast paths. Torch is imported inside the functions that need it for the same reason.
 
 Every collective helper here is entered by every rank; callers never put them behind a rank-dependent `if`.
 """
@@ -50,6 +50,21 @@ def ranks() -> Ranks:
 def under_torchrun() -> bool:
     """True inside a worker that torchrun started (the launcher itself sees no WORLD_SIZE)."""
     return "WORLD_SIZE" in os.environ
+
+
+class Restarts(NamedTuple):
+    done: int  # how many times torchrun has restarted this worker's group after a failure (0: its first start)
+    allowed: int  # --max-restarts
+
+    @property
+    def left(self) -> int:
+        return max(0, self.allowed - self.done)
+
+
+def restarts() -> Restarts:
+    """Where this worker stands among torchrun's restarts (`--max-restarts`); (0, 0) outside torchrun."""
+    return Restarts(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
 @dataclass(frozen=True)

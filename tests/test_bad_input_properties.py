@@ -259,7 +259,7 @@ SIZE_OPTIONS = {"--gpu-memory", "--max-memory"}
 TOKEN_COUNT_OPTIONS = {"--max-tokens", "--shard-tokens", "--tokens", "--val-tokens", "--test-tokens"}
 # Options where 0 is legitimate (every other numeric option needs a positive value).
 ZERO_OK_OPTIONS = {"--wait", "--warmup", "--top-k", "--temperature", "--seed", "--margin", "--price-per-hour",
-                   "--node-rank", "--val-fraction", "--test-fraction"}
+                   "--max-restarts", "--node-rank", "--val-fraction", "--test-fraction"}
 # A launcher option that slipped past validation with a large value would start torchrun with that many processes:
 # those options get every other kind of bad value, never a large one.
 SPAWNING_OPTIONS = {"--nproc-per-node", "--nnodes"}

@@ -3,23 +3,33 @@
 torchrun runs inside this process (so a SIGTERM from a scheduler reaches it directly and it passes the signal on
 to every rank), on the same nanopt command without the launcher options, and this process exits with what the
 ranks meant: 0 done, 2 a user error (the rank that met it printed one line), STOPPED_EARLY after a SIGTERM /
-SIGINT, 1 with one line naming the rank that failed; never torchrun's own traceback and failure table.
+SIGINT, 1 with one line naming the rank that failed (or saying that the nodes never all met); never torchrun's own
+traceback and failure table.
+
+With `--max-restarts N` (train) torchrun's agent stops and restarts every worker of the node after a failure that a
+restart may get past (a rank killed or crashed, or cut off from a dead peer), up to N times; the restarted ranks
+resume from the newest checkpoint as any `nanopt train` does. Each restart is one line here. A rank's own verdict
+(a mistake to fix, a preemption, failed checks) is never restarted: it would only come again. The exit statuses
+above apply once no restart is left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.markup import escape
 
 from nanopt.cli.app import console
-from nanopt.cli.rank_errors import ERROR_DIR_ENV, collected, lines_to_print
+from nanopt.cli.rank_errors import ERROR_DIR_ENV, RankError, collected, lines_to_print
+from nanopt.errors import ConfigError
 from nanopt.parsing import check_option
 from nanopt.runtime import under_torchrun
 
@@ -31,44 +41,74 @@ STOPPED_EARLY = 75
 # a crash; a script runs `nanopt preflight runs/x && nanopt train runs/x`.
 CHECKS_FAILED = 3
 
-LAUNCHER_OPTIONS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
+LAUNCHER_OPTIONS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"}
+
+# The exit statuses that are a rank's own verdict rather than an accident: a restart would meet them again.
+VERDICTS = {2, STOPPED_EARLY, CHECKS_FAILED}
 
 
 # Far past any real node (8 GPUs today) and cluster: a value past them is a typo, and would start that many processes.
 MAX_PROCS_PER_NODE = 1024
 MAX_NODES = 100_000
+MAX_RESTARTS = 1000  # each restart reloads the newest checkpoint: a failure that recurs this often needs a person
 
 
-def launch_if_asked(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None) -> None:
-    """Return at once in a single process or inside a torchrun worker; otherwise run torchrun and exit.
+def launch_if_asked(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None,
+                    max_restarts: int = 0) -> None:
+    """Return at once in a single process or inside a torchrun worker; otherwise run torchrun and exit. One process
+    with --max-restarts runs under torchrun too: its agent is what restarts it.
 
     The launcher options are checked first: a count below 1 would otherwise quietly run one process, and a node
     rank outside the nodes would wait for a rendezvous that never completes."""
-    check_launcher_options(nproc_per_node, nnodes, node_rank)
-    if nproc_per_node * nnodes > 1 and not under_torchrun():
-        run_torchrun(nproc_per_node, nnodes, node_rank, endpoint)
+    check_launcher_options(nproc_per_node, nnodes, node_rank, endpoint, max_restarts)
+    if (nproc_per_node * nnodes > 1 or max_restarts) and not under_torchrun():
+        run_torchrun(nproc_per_node, nnodes, node_rank, endpoint, max_restarts)
 
 
-def check_launcher_options(nproc_per_node: int, nnodes: int, node_rank: int) -> None:
+def check_launcher_options(nproc_per_node: int, nnodes: int, node_rank: int, endpoint: str | None = None,
+                           max_restarts: int = 0) -> None:
     check_option("--nproc-per-node", nproc_per_node, 1, MAX_PROCS_PER_NODE, "processes on this node, usually its "
                  "GPU count, e.g. --nproc-per-node 8")
     check_option("--nnodes", nnodes, 1, MAX_NODES, "the number of machines in the run, e.g. --nnodes 2")
     check_option("--node-rank", node_rank, 0, nnodes - 1, f"this machine's place among the {nnodes} node(s): 0 on "
                  "the first, 1 on the second, ...")
+    check_option("--max-restarts", max_restarts, 0, MAX_RESTARTS, "how many times torchrun may restart the ranks "
+                 "after one fails, each resuming from the newest checkpoint, e.g. --max-restarts 3 (0: never)")
+    _check_endpoint(nnodes, endpoint)
 
 
-def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> NoReturn:
+def _check_endpoint(nnodes: int, endpoint: str | None) -> None:
+    """Every node names the same HOST:PORT, the first node's; without it each node would wait for the others alone,
+    until the rendezvous times out."""
+    hint = ("the first node's address and a free port, the same on every node, e.g. --rdzv-endpoint head:29500 "
+            "(on one machine: localhost:29500)")
+    if endpoint is None:
+        if nnodes > 1:
+            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT", hint)
+        return
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--rdzv-endpoint: {endpoint!r} is not HOST:PORT with a port in [1, 65535]", hint)
+
+
+def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, max_restarts: int = 0) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
-    args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     if nnodes > 1 or endpoint:
-        args += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint or 'localhost:29500'}"]
+        args += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
     else:
         args.append("--standalone")
     _quiet_torchrun_logs()
-    with tempfile.TemporaryDirectory(prefix="nanopt-errors-") as folder:
+    if max_restarts:
+        # By default the ranks of every attempt share one store with torchrun's agent, where the keys the previous
+        # attempt's process group left behind (its ranks' addresses) are read as the new one's, so a restarted
+        # rank connects to a dead peer (pytorch/pytorch#135712). A store of its own per attempt avoids that.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with tempfile.TemporaryDirectory(prefix="nanopt-errors-") as folder, _restarts_reported(Path(folder)):
         os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it (see nanopt.cli.rank_errors)
         # The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or
         # --max as abbreviations of its own (--start-method, --max-restarts) and stops.
@@ -81,6 +121,13 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None) 
         except ChildFailedError as exc:
             _print_rank_errors(Path(folder))
             sys.exit(_failure_status(exc.failures))
+        except RendezvousError as exc:  # raised in this process, before any rank of the attempt started
+            what = ("not every node joined in time" if isinstance(exc, RendezvousTimeoutError)
+                    else f"{type(exc).__name__}: {exc}".rstrip(": "))
+            _error(f"--nnodes {nnodes}: the rendezvous at {endpoint or 'this machine'} failed ({what})",
+                   "start the same command on every node, each with its own --node-rank and the first node's "
+                   "HOST:PORT, reachable from the others, as --rdzv-endpoint; complete checkpoints are kept")
+            sys.exit(1)
     sys.exit(0)
 
 
@@ -103,16 +150,80 @@ def _quiet_torchrun_logs() -> None:
 def _failure_status(failures: dict[int, Any]) -> int:
     # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
     codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
-    if codes and codes <= {2, STOPPED_EARLY, CHECKS_FAILED}:  # the ranks' own reports, printed above, say why
+    if codes and codes <= VERDICTS:  # the ranks' own reports, printed above, say why
         return max(codes)
-    # A rank killed by a signal, or one that crashed, is why the others lost contact (their status 2 says so).
-    rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode in (2, -signal.SIGTERM),
-                                                             item[1].exitcode >= 0, item[0]))
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+    rank, failure = _culprit(failures)
     oom = " (SIGKILL is often the out-of-memory killer: see `dmesg`)" if failure.exitcode == -signal.SIGKILL else ""
-    _error(f"rank {rank} (pid {failure.pid}) {how}, so torchrun stopped the others",
+    _error(f"{_what_happened(rank, failure)}, so torchrun stopped the others",
            f"complete checkpoints are kept: fix the cause{oom} and run the same command to resume")
     return 1
+
+
+def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that explains the others: a rank killed by a signal, or one that crashed, is why the others lost
+    contact (their status 2 says so) or were stopped by torchrun (SIGTERM)."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode in (2, -signal.SIGTERM), item[1].exitcode >= 0,
+                                                    item[0]))
+
+
+def _what_happened(rank: int, failure: Any) -> str:
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+    return f"rank {rank} (pid {failure.pid}) {how}"
+
+
+def worth_a_restart(failures: dict[int, Any], errors: list[RankError]) -> bool:
+    """Whether restarting the ranks may get past this failure: a rank was killed or crashed, or every rank that
+    failed only lost contact (the cause is on another node). A rank's own verdict (a mistake to fix, a
+    preemption, failed checks) would only come again, and cost a restart's start-up each time."""
+    lost_contact = {e.rank for e in errors if e.lost_contact}
+    causes = [f.exitcode for rank, f in failures.items() if f.exitcode != -signal.SIGTERM and rank not in lost_contact]
+    return not causes or not set(causes) <= VERDICTS
+
+
+@contextlib.contextmanager
+def _restarts_reported(error_dir: Path) -> Iterator[None]:
+    """While torchrun runs: each restart of its agent is one line naming the failure, a failure that a restart
+    cannot get past is not restarted, and each attempt's rank errors are its own.
+
+    torchrun builds its agent, a LocalElasticAgent, in torch.distributed.launcher.api and restarts the workers
+    without a word; the agent below is that one, observing the two steps SimpleElasticAgent leaves to its
+    subclasses (monitoring, restarting) and otherwise unchanged."""
+    import torch.distributed.launcher.api as launcher_api
+
+    base = launcher_api.LocalElasticAgent
+
+    class ReportingAgent(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.failures: dict[int, Any] = {}  # the last attempt's, by global rank; {} while it is healthy
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            self.failures = result.failures if result.is_failed() else {}
+            if self.failures and not worth_a_restart(self.failures, collected(error_dir)):
+                self._remaining_restarts = 0  # the agent then stops, and the launcher reports as without restarts
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if self.failures:  # else the membership changed: a node joined, and every node starts again with it
+                attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                what = _what_happened(*_culprit(self.failures))
+                _say(f"restart {attempt} of {worker_group.spec.max_restarts} after {what}: every rank starts "
+                     "again from the newest checkpoint")
+            for path in error_dir.glob("*.json"):  # the failed attempt's reports: a later failure writes its own
+                path.unlink(missing_ok=True)
+            self.failures = {}
+            super()._restart_workers(worker_group)
+
+    launcher_api.LocalElasticAgent = ReportingAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+def _say(line: str) -> None:
+    console(stderr=True).print(line, soft_wrap=True, markup=False)
 
 
 def _error(message: str, hint: str) -> None:

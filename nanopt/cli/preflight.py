@@ -58,8 +58,8 @@ def preflight_command(
                                                                    "starts torchrun."),
     nnodes: int = typer.Option(1, "--nnodes", help="Nodes, as training will use (passed to torchrun)."),
     node_rank: int = typer.Option(0, "--node-rank", help="This node's rank (passed to torchrun)."),
-    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous (passed to "
-                                                                            "torchrun)."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous: the "
+                                             "first node's, the same on every node (needed with --nnodes > 1)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print preflight.json's contents instead of tables."),
 ) -> None:
     """Before paying for a run: real training steps on this machine, checked (the loss falls, memory is flat, the
@@ -68,7 +68,7 @@ def preflight_command(
     from nanopt.hardware import parse_size
     from nanopt.plan.preflight import PreflightOptions, preflight
 
-    check_launcher_options(nproc_per_node, nnodes, node_rank)
+    check_launcher_options(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     opts = PreflightOptions(steps=steps, warmup=warmup, find_batch=find_batch, price_per_hour=price_per_hour,
                             max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
                             started=ctx.obj.started if isinstance(ctx.obj, Invocation) else None)

@@ -14,7 +14,7 @@ from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, 
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.train_display import Display
 from nanopt.hardware import check_price_per_hour
-from nanopt.runtime import ranks, under_torchrun
+from nanopt.runtime import ranks, restarts, under_torchrun
 
 EPILOG = """
 Examples:
@@ -26,6 +26,8 @@ Examples:
   nanopt train runs/gpt2-small --nproc-per-node 8          # starts torchrun itself
 
   torchrun --nproc_per_node 8 -m nanopt train runs/gpt2-small
+
+  nanopt train runs/gpt2-small --nproc-per-node 8 --max-restarts 3   # a rank killed: restart all, resume, go on
 
   nanopt train runs/llama-3.2-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
 
@@ -48,6 +50,15 @@ preempted (SIGTERM / SIGINT, saved), diverged, error, interrupted (a second Ctrl
 NANOPT_EXIT_REASON, with NANOPT_EXIT_STATUS, NANOPT_RUN_DIR, NANOPT_STEP and NANOPT_TOTAL_STEPS (when known) and
 NANOPT_EXIT_MESSAGE (the error's line). Its output goes to RUN/on_exit.log; it is stopped, with everything it
 started, after on_exit_timeout_s (300 s). It never changes the run's exit status or files.
+
+--nnodes N: run the same command on every node, each with its own --node-rank and the same --rdzv-endpoint (the
+first node's HOST:PORT). The run directory and its dataset must be on a filesystem every node sees (rank 0 writes
+metrics, every rank reads and writes checkpoints).
+
+--max-restarts N: after a rank is killed or crashes, or loses contact with one that was, torchrun stops and
+restarts every rank of the node (up to N times; one process runs under torchrun for this), and they resume from
+the newest checkpoint; each restart is one line on stderr and a resume event in metrics.jsonl. A mistake to fix,
+a divergence or a preemption is never restarted. The --on-exit command runs once, when no restart follows.
 """
 
 
@@ -65,8 +76,11 @@ def train_command(
                                                                    "starts torchrun."),
     nnodes: int = typer.Option(1, "--nnodes", help="Nodes in a multi-node run (passed to torchrun)."),
     node_rank: int = typer.Option(0, "--node-rank", help="This node's rank (passed to torchrun)."),
-    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous "
-                                                                              "(passed to torchrun)."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous: the "
+                                             "first node's, the same on every node (needed with --nnodes > 1)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Times torchrun may restart the ranks after one is "
+                                     "killed or crashes, each time resuming from the newest checkpoint (0: the job "
+                                     "stops and says why)."),
     no_live: bool = typer.Option(False, "--no-live/--live", help="Log lines only, no live progress bar (--live: "
                                  "the bar, the default)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the end-of-run summary as JSON."),
@@ -78,7 +92,7 @@ def train_command(
                                        "\"sudo shutdown -h now\"."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
-    check_launcher_options(nproc_per_node, nnodes, node_rank)
+    check_launcher_options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     hook = _ExitHook(run_dir, on_exit)
     with hook:  # a train.json that cannot be read still runs the --on-exit command
         check_price_per_hour(price_per_hour)
@@ -88,7 +102,7 @@ def train_command(
             # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
             run.grad_accum_steps(nproc_per_node * nnodes)
     # torchrun's launcher leaves here with its ranks' exit status: rank 0 among them runs the hook, never this process.
-    launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     from nanopt.train.loop import train
     from nanopt.train.session import TrainOptions
 
@@ -142,13 +156,24 @@ class _ExitHook:
     def _run(self, error: BaseException | None, summary: dict[str, Any] | None) -> None:
         from nanopt.train import exit_hook
 
-        if not (self.command and ranks().is_main and exit_hook.ends_the_run(error)):
+        if not (self.command and ranks().is_main and exit_hook.ends_the_run(error)) or _restart_follows(error):
             return
         reason = exit_hook.exit_reason(error, summary is None or summary["completed"])
         details = exit_hook.ExitDetails(_EXIT_STATUS[reason], summary["steps"] if summary else None,
                                         summary["total_steps"] if summary else self.total_steps,
                                         exit_hook.error_message(error))
         _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
+
+
+def _restart_follows(error: BaseException | None) -> bool:
+    """Whether torchrun restarts the ranks after this rank's failure (--max-restarts; see
+    nanopt.cli.launch.worth_a_restart): then the run goes on, and the hook waits for its end. A lost contact or a
+    crash is restarted; a mistake, a divergence or an interruption is this rank's verdict and ends the run."""
+    from nanopt.errors import DistributedError, NanoptError
+
+    if error is None or not restarts().left:
+        return False
+    return isinstance(error, DistributedError) or not isinstance(error, (NanoptError, KeyboardInterrupt))
 
 
 def _print_hook_result(result: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from nanopt.config import ModelConfig, RunConfig, TrainConfig
 from nanopt.errors import ResumeError
-from nanopt.runtime import new_cpu_group
+from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import sharded
 from nanopt.train.metrics import read_metrics
@@ -91,7 +91,8 @@ def maybe_resume(s: Session) -> None:
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
         s.metrics.truncate_after(found.step)
-        s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name)
+        restart = {"restart": restarts().done} if restarts().done else {}  # torchrun restarted the ranks
+        s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name, **restart)
     s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
     if found.meta["world_size"] != s.rt.world_size:
         s.observer.note(f"the checkpoint was written by {found.meta['world_size']} rank(s), this run has "
