@@ -49,6 +49,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: F401  (loss.png)
 import nanopt.cli, nanopt.train.loop  # noqa: F401  (what every child would import again)
 import torch._dynamo  # noqa: F401  (imported by the optimizer's first construction: ~2 s of CPU in every child)
+import importlib
+# Imported on first use by every `nanopt train` (typer's option parsing pulls in pydantic): ~0.1-0.2 s per child.
+# A name that moves is skipped: the children import what they need themselves.
+for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer", "nanopt.train.exit_hook",
+             "PIL.PngImagePlugin"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
@@ -60,6 +69,7 @@ for line in sys.stdin:
         if request.get("fsize"):  # a disk that refuses writes past this size: EFBIG instead of SIGXFSZ
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
+        os.environ.update(request.get("env") or {})  # this command's own variables (torchrun's ranks inherit them)
         sys.argv = ["nanopt", *request["argv"]]
         code = 0
         try:
@@ -122,11 +132,13 @@ class Launcher:
     def _next(self, timeout: float = HANG_GUARD_S) -> dict:
         return self.lines.get(timeout=timeout)
 
-    def start(self, *argv: object, fsize: int | None = None) -> Child:
+    def start(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None) -> Child:
+        """Fork `nanopt ARGV`; `env` adds to (or overrides) the launcher's environment for this command only."""
         self._end_leftover()
         self.count += 1
         child = Child(0, self.logs / f"{self.count}.out", self.logs / f"{self.count}.err")
-        request = {"argv": [str(a) for a in argv], "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize}
+        request = {"argv": [str(a) for a in argv], "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize,
+                   "env": env}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         child.pid = self._next()["pid"]
@@ -164,13 +176,13 @@ class Launcher:
                                      f"{child.stderr[-3000:]}") from None
         return child.status
 
-    def run(self, *argv: object, fsize: int | None = None) -> Child:
-        child = self.start(*argv, fsize=fsize)
+    def run(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None) -> Child:
+        child = self.start(*argv, fsize=fsize, env=env)
         self.wait(child)
         return child
 
-    def train(self, run: Path, *args: str) -> Child:
-        child = self.run("train", run, "--no-live", *args)
+    def train(self, run: Path, *args: str, env: dict[str, str] | None = None) -> Child:
+        child = self.run("train", run, "--no-live", *args, env=env)
         assert child.status == 0, child.stderr[-3000:]
         return child
 

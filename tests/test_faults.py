@@ -3,9 +3,10 @@ SIGINT, a full disk, damaged checkpoints, divergence, a rank that dies or hangs;
 
 Each scenario ends by comparing with an uninterrupted run: the same loss at every step and the same final weights.
 
-Single-process runs are forked from a warm launcher (tests/faulthelp.py: the same entry point as `python -m nanopt`,
-without a 3 s import per restart); each is a real process with its own signals, files and exit status. Runs on two
-ranks go through `nanopt train --nproc-per-node 2` in a subprocess (torchrun, gloo).
+Every run is forked from a warm launcher (tests/faulthelp.py: the same entry point as `python -m nanopt`, without a
+3 s import per start); each is a real process with its own signals, files and exit status. Runs on two ranks are
+`nanopt train --nproc-per-node 2` forked the same way: that process runs torchrun, whose two gloo ranks are fresh
+Python processes, as for a user.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -198,50 +197,50 @@ def test_preemption_saves_and_exits_75_then_resume_is_exact(tmp_path: Path, refe
 
 
 @pytest.fixture(scope="module")
-def reference_2ranks(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> Path:
+def reference_2ranks(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> Path:
     """An uninterrupted run on 2 gloo ranks, 20 steps."""
     run = tiny_run(tmp_path_factory.mktemp("reference2"), tiny_dataset, "reference", max_steps=20)
-    result = train_2ranks(run)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = train_2ranks(launcher, run)
+    assert result.status == 0, result.stderr[-3000:]
     return run
 
 
-def start_2ranks(run: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", "--nproc-per-node", "2",
-                             *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_2ranks(launcher: Launcher, run: Path, *args: str, env: dict[str, str] | None = None) -> Child:
+    """`nanopt train RUN --nproc-per-node 2`: a process that runs torchrun, which starts the two ranks."""
+    return launcher.start("train", run, "--no-live", "--nproc-per-node", "2", *args, env=env)
 
 
-def finish(proc: subprocess.Popen) -> tuple[str, str]:
-    """Its output once it exits; a hung job is killed with every process it started, and fails the test."""
-    try:
-        return proc.communicate(timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"the job did not end within {HANG_GUARD_S} s; stderr:\n{err[-3000:]}") from None
+def finish(launcher: Launcher, job: Child) -> Child:
+    """The job once it exits; a hung job is killed with every process it started, and fails the test."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not launcher.finished(job):
+        if time.monotonic() > deadline:
+            for process in psutil.Process(job.pid).children(recursive=True):
+                process.kill()
+            os.kill(job.pid, signal.SIGKILL)
+            launcher.wait(job)
+            raise AssertionError(f"the job did not end within {HANG_GUARD_S} s; stderr:\n{job.stderr[-3000:]}")
+        time.sleep(0.02)
+    return job
 
 
-def train_2ranks(run: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = start_2ranks(run, *args)
-    out, err = finish(proc)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def train_2ranks(launcher: Launcher, run: Path, *args: str) -> Child:
+    return finish(launcher, start_2ranks(launcher, run, *args))
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_with_one_checkpoint_then_resume_is_exact(tmp_path: Path,
-                                                                                      reference_2ranks: Path):
+                                                                                      reference_2ranks: Path,
+                                                                                      launcher: Launcher):
     run = copy_run(reference_2ranks, tmp_path)
-    proc = start_2ranks(run)
-    wait_for_step(run, 5, lambda: proc.poll() is None)
-    proc.send_signal(signal.SIGTERM)  # the scheduler's preemption notice, to the launcher as it would arrive
-    _, err = finish(proc)
-    step = assert_preempted_and_saved(run, proc.returncode, err, "SIGTERM")
+    job = start_2ranks(launcher, run)
+    wait_for_step(run, 5, lambda: not launcher.finished(job))
+    os.kill(job.pid, signal.SIGTERM)  # the scheduler's preemption notice, to the launcher as it would arrive
+    err = finish(launcher, job).stderr
+    step = assert_preempted_and_saved(run, job.status, err, "SIGTERM")
     assert "stopped by SIGTERM: run the same command again" in err and "Traceback" not in err
     assert len(ckpt.resolve(run, "latest").meta["ranks"]) == 2  # both ranks' positions, in one checkpoint
-    resumed = train_2ranks(run)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = train_2ranks(launcher, run)
+    assert resumed.status == 0, resumed.stderr[-3000:]
     assert resumed_step(resumed.stderr) == step
     assert_same_run(run, reference_2ranks)
 
@@ -321,12 +320,8 @@ def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     # A learning rate of 1e30 really diverges: the first step sends the weights to ~1e30, every later gradient is
     # NaN. Ten more steps with a checkpoint every 2 would otherwise save the broken weights as `latest`.
     args = ("--set", f"max_steps={last + 10}", "--set", "learning_rate=1e30", "--allow-changed")
-    if nproc == 1:
-        result = launcher.run("train", run, "--no-live", *args)
-        status, stderr = result.status, result.stderr
-    else:
-        result = train_2ranks(run, *args)
-        status, stderr = result.returncode, result.stderr
+    result = finish(launcher, launcher.start("train", run, "--no-live", "--nproc-per-node", nproc, *args))
+    status, stderr = result.status, result.stderr
     assert status == 2, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
@@ -359,11 +354,11 @@ def test_a_loss_spike_after_resuming_with_a_higher_learning_rate_is_reported(tmp
 # ------------------------------------------------------------------------------------ 7. a rank dies or hangs
 
 
-def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
+def workers_of(job: Child) -> list[psutil.Process]:
     """The training processes torchrun started (children of the `nanopt train --nproc-per-node` process)."""
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
-        workers = [c for c in psutil.Process(proc.pid).children() if _is_worker(c)]
+        workers = [c for c in psutil.Process(job.pid).children() if _is_worker(c)]
         if len(workers) == 2:
             return sorted(workers, key=lambda w: w.pid)
         time.sleep(0.05)
@@ -386,12 +381,12 @@ def test_a_killed_rank_ends_the_job_with_a_message_and_checkpoints_stay_valid(tm
                                                                               reference_2ranks: Path,
                                                                               launcher: Launcher):
     run = copy_run(reference_2ranks, tmp_path)
-    proc = start_2ranks(run)
-    victim = next(w for w in workers_of(proc) if rank_of(w) == 1)
-    wait_for_step(run, 5, lambda: proc.poll() is None)
+    job = start_2ranks(launcher, run)
+    victim = next(w for w in workers_of(job) if rank_of(w) == 1)
+    wait_for_step(run, 5, lambda: not launcher.finished(job))
     victim.send_signal(signal.SIGKILL)  # the out-of-memory killer, say
-    _, err = finish(proc)  # the job must end, not wait forever
-    assert proc.returncode == 1, err[-3000:]
+    err = finish(launcher, job).stderr  # the job must end, not wait forever
+    assert job.status == 1, err[-3000:]
     assert f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL, so torchrun stopped the others" in err
     assert "Traceback" not in err
     for path in ckpt.complete_checkpoints(run):
@@ -401,18 +396,18 @@ def test_a_killed_rank_ends_the_job_with_a_message_and_checkpoints_stay_valid(tm
     assert resumed_step(resumed.stderr) == expected and max(losses(run)) == 20
 
 
-def test_a_hung_rank_times_out_at_the_next_collective(tmp_path: Path, reference_2ranks: Path):
+def test_a_hung_rank_times_out_at_the_next_collective(tmp_path: Path, reference_2ranks: Path, launcher: Launcher):
     run = copy_run(reference_2ranks, tmp_path)
-    proc = start_2ranks(run, env={"NANOPT_PG_TIMEOUT_S": "5"})
-    workers = {rank_of(w): w for w in workers_of(proc)}
-    wait_for_step(run, 5, lambda: proc.poll() is None)
+    job = start_2ranks(launcher, run, env={"NANOPT_PG_TIMEOUT_S": "5"})
+    workers = {rank_of(w): w for w in workers_of(job)}
+    wait_for_step(run, 5, lambda: not launcher.finished(job))
     workers[1].suspend()  # SIGSTOP: alive, so torchrun sees nothing wrong; only the timeout can end the wait
     try:
         psutil.wait_procs([workers[0]], timeout=HANG_GUARD_S)
     finally:
         workers[1].resume()  # let it take torchrun's SIGTERM, so the test does not wait out torchrun's grace
-    _, err = finish(proc)
-    assert proc.returncode != 0
+    err = finish(launcher, job).stderr
+    assert job.status != 0
     assert re.search(r"error: rank 0 lost contact with another rank at step \d+ \(.*Timed out", err), err[-3000:]
     assert "NANOPT_PG_TIMEOUT_S" in err and "Traceback" not in err
     for path in ckpt.complete_checkpoints(run):

@@ -12,20 +12,19 @@ tokenized corpus itself changed (for instance a new version of the tokenizer lib
 Also here: gradient clipping must clip (the gradient the optimizer received is read back from its state), and a
 run with dropout resumed from a checkpoint must equal the uninterrupted run bit for bit (the RNG state is restored).
 
-All runs are forked from a warm process that has imported torch (tests/faulthelp.py), with CUDA hidden: the
-numbers are float32 CPU numbers.
+All runs are forked from the session's warm process that has imported torch (tests/faulthelp.py), with CUDA hidden
+from each command and its ranks: the numbers are float32 CPU numbers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from faulthelp import Launcher
+from faulthelp import Child, Launcher
 from trainhelp import eval_losses, final_weights_hash, losses, make_run
 
 # Tolerance on each loss, in nats. CPU float32 training is deterministic run to run on one machine (repeated runs
@@ -74,20 +73,20 @@ GOLDEN_TRAIN_SHARDS = ["3020fcd6f1938289a8e9ca5736c66c488596ba2575c87a59ba92a04c
                        "ecb2651a6217215b5e49f71f246fdb487b734192e69a13ccb9c094072a36a9fd"]
 
 
-@pytest.fixture(scope="module")
-def cpu_launcher(tmp_path_factory: pytest.TempPathFactory):
-    """The warm launcher of tests/faulthelp.py, its commands (and torchrun's ranks) seeing no GPU."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        warm = Launcher(tmp_path_factory.mktemp("golden-logs"))
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-    yield warm
-    warm.close()
+class CpuLauncher:
+    """The session's warm launcher, each `nanopt train` it forks (and torchrun's ranks) seeing no GPU. The launcher
+    never initializes CUDA itself, so the variable set in the forked command still decides what it sees."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+
+    def train(self, run: Path, *args: str) -> Child:
+        return self.launcher.train(run, *args, env={"CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.fixture
+def cpu_launcher(launcher: Launcher) -> CpuLauncher:
+    return CpuLauncher(launcher)
 
 
 def golden_run(root: Path, dataset: Path, name: str, model: dict, **train) -> Path:
@@ -120,20 +119,20 @@ def test_the_dataset_is_the_one_the_numbers_were_recorded_on(tiny_dataset: Path)
         "golden loss below moves too; record them again only if that change is intended")
 
 
-def test_llama_one_process(tmp_path: Path, tiny_dataset: Path, cpu_launcher: Launcher):
+def test_llama_one_process(tmp_path: Path, tiny_dataset: Path, cpu_launcher: CpuLauncher):
     run = golden_run(tmp_path, tiny_dataset, "llama", LLAMA)
     cpu_launcher.train(run)
     assert_golden(run, GOLDEN_LLAMA, GOLDEN_LLAMA_VAL)
 
 
-def test_llama_two_gloo_ranks(tmp_path: Path, tiny_dataset: Path, cpu_launcher: Launcher):
+def test_llama_two_gloo_ranks(tmp_path: Path, tiny_dataset: Path, cpu_launcher: CpuLauncher):
     # DDP over 2 ranks x accumulation 1 trains on the same samples as 1 rank x accumulation 2: the same numbers.
     run = golden_run(tmp_path, tiny_dataset, "llama", LLAMA)
     cpu_launcher.train(run, "--nproc-per-node", "2")
     assert_golden(run, GOLDEN_LLAMA, GOLDEN_LLAMA_VAL)
 
 
-def test_gpt2_one_process(tmp_path: Path, tiny_dataset: Path, cpu_launcher: Launcher):
+def test_gpt2_one_process(tmp_path: Path, tiny_dataset: Path, cpu_launcher: CpuLauncher):
     run = golden_run(tmp_path, tiny_dataset, "gpt2", GPT2, learning_rate=GPT2_LEARNING_RATE)
     cpu_launcher.train(run)
     assert_golden(run, GOLDEN_GPT2, GOLDEN_GPT2_VAL)
@@ -159,7 +158,7 @@ def logged_grad_norms(run: Path) -> dict[int, float]:
 
 
 def test_gradient_clipping_clips_and_a_huge_bound_changes_nothing(tmp_path: Path, tiny_dataset: Path,
-                                                                  cpu_launcher: Launcher):
+                                                                  cpu_launcher: CpuLauncher):
     runs = {}
     for clip in (0.0, 1e9, 1e-3):
         runs[clip] = golden_run(tmp_path, tiny_dataset, f"clip-{clip:g}", LLAMA, max_steps=6, grad_clip=clip,
@@ -187,7 +186,7 @@ def test_gradient_clipping_clips_and_a_huge_bound_changes_nothing(tmp_path: Path
 
 
 def test_resume_with_dropout_equals_the_uninterrupted_run(tmp_path: Path, tiny_dataset: Path,
-                                                          cpu_launcher: Launcher):
+                                                          cpu_launcher: CpuLauncher):
     """With dropout every training step draws from the torch RNG, so resuming is exact only if the checkpoint's
     RNG state is restored: a fresh process that merely re-seeds would draw step 1's dropout masks at step 11."""
     model = {**LLAMA, "dropout": 0.1}

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from clihelp import run_cli
 from faulthelp import Launcher, tiny_run, tree_digest
 from test_checkpoint import full_meta
 from trainhelp import losses, make_run
@@ -166,14 +165,14 @@ def test_a_validation_split_too_small_fails_at_setup_before_any_step(tmp_path: P
 
 
 def test_a_second_training_of_the_same_run_refuses_and_a_killed_one_leaves_no_stale_lock(
-        tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
+        tmp_path: Path, tiny_dataset: Path, launcher: Launcher, cli_in_process):
     run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=1600, checkpoint_interval=1000, eval_interval=0)
     first = launcher.start("train", run, "--no-live")
     deadline = time.monotonic() + 60
     while len(_steps(run)) < 3:
         assert time.monotonic() < deadline and not launcher.finished(first), first.stderr[-2000:]
         time.sleep(0.05)
-    second = run_cli("train", run, "--no-live")  # a process of its own: the launcher runs one at a time
+    second = cli_in_process("train", run, "--no-live")  # this test's process: the launcher runs one at a time
     assert second.returncode == 2, second.stderr[-2000:]
     assert f"is being trained by pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
     os.kill(first.pid, signal.SIGKILL)
@@ -226,9 +225,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_an_error_only_one_node_meets_is_printed_with_its_rank(tmp_path: Path, tiny_dataset: Path):
+def test_an_error_only_one_node_meets_is_printed_with_its_rank(tmp_path: Path, tiny_dataset: Path,
+                                                                launcher: Launcher):
     """Two nodes on this machine, each started by its own `nanopt train --nnodes 2` on its own copy of the run
-    directory, as on two machines; the second node lacks the dataset, a mistake only that node's rank meets."""
+    directory, as on two machines; the second node lacks the dataset, a mistake only that node's rank meets. Node
+    0's process is forked from the warm launcher, node 1's is a fresh `python -m nanopt`: both at once."""
     import subprocess
     import sys
 
@@ -242,16 +243,19 @@ def test_an_error_only_one_node_meets_is_printed_with_its_rank(tmp_path: Path, t
         runs.append(run)
     shutil.copytree(tiny_dataset, tmp_path / "node0" / "data")
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
-           "NANOPT_PG_TIMEOUT_S": "5"}
-    procs = [subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", "--nnodes", "2",
-                               "--node-rank", str(rank), "--nproc-per-node", "1", "--rdzv-endpoint",
-                               f"127.0.0.1:{port}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for rank, run in enumerate(runs)]
-    results = [p.communicate(timeout=180) for p in procs]
-    err0, err1 = results[0][1], results[1][1]
-    assert procs[1].returncode == 2, err1[-3000:]
+    env = {"PYTHONPATH": str(REPO), "COLUMNS": "200", "OMP_NUM_THREADS": "1", "NANOPT_PG_TIMEOUT_S": "5"}
+
+    def node_argv(rank: int) -> list[str]:
+        return ["train", str(runs[rank]), "--no-live", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+                "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+
+    node0 = launcher.start(*node_argv(0), env=env)
+    node1 = subprocess.Popen([sys.executable, "-m", "nanopt", *node_argv(1)], cwd=REPO, env={**os.environ, **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err1 = node1.communicate(timeout=180)
+    launcher.wait(node0, timeout=180)
+    err0 = node0.stderr
+    assert node1.returncode == 2, err1[-3000:]
     assert f"error: rank 1: {tmp_path / 'node1' / 'data'}" in err1 and "Traceback" not in err1
-    assert procs[0].returncode != 0 and "Traceback" not in err0
+    assert node0.status != 0 and "Traceback" not in err0
     assert "error: rank 0 lost contact" in err0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clihelp import assert_user_error, run_cli
+from clihelp import assert_user_error
 from faulthelp import tiny_run
 
 pytest.importorskip("tensorboard")  # the `dev` extra installs both; a bare install skips rather than fails
@@ -82,16 +82,17 @@ def _wandb_records(path: Path):
             yield record
 
 
-@pytest.mark.slow  # ~12 s: a real process, so that W&B finishes its run as the process exits
-def test_wandb_offline_run_holds_the_history_and_the_final_loss(tmp_path, tiny_dataset):
+@pytest.mark.slow  # W&B starts a service process of its own
+def test_wandb_offline_run_holds_the_history_and_the_final_loss(tmp_path, tiny_dataset, launcher):
     pytest.importorskip("wandb")
     run = tiny_run(tmp_path, tiny_dataset, "wb", wandb_project="nanopt-test", **SHORT)
     wandb_dir = tmp_path / "wandb-home"
     wandb_dir.mkdir()
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_CONFIG_DIR": str(wandb_dir),
            "WANDB_CACHE_DIR": str(wandb_dir), "WANDB_DATA_DIR": str(wandb_dir), "WANDB_API_KEY": ""}
-    result = run_cli("train", run, env=env)  # a real process: W&B finishes its run as the process exits
-    assert result.returncode == 0, result.stderr
+    # A process of its own (forked from the warm launcher): W&B's run ends with the process, as in training.
+    result = launcher.run("train", run, env=env)
+    assert result.status == 0, result.stderr
 
     logs = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs

@@ -301,20 +301,20 @@ def test_bad_settings_are_config_errors(tmp_path: Path, settings: dict, fragment
 # ------------------------------------------------------------------------------------- the command
 
 
-def test_cli_builds_a_dataset_and_prints_json(tiny_corpus: Path, tmp_path: Path):
+def test_cli_builds_a_dataset_and_prints_json(tiny_corpus: Path, tmp_path: Path, cli_in_process):
     out = tmp_path / "cli"
-    result = run_cli("tokenize", tiny_corpus, "--out", out, "--vocab-size", "300", "--val-fraction", "0.1",
-                     "--test-fraction", "0.1", "--shard-tokens", "50k", "--max-tokens", "20k", "--json")
+    result = cli_in_process("tokenize", tiny_corpus, "--out", out, "--vocab-size", "300", "--val-fraction", "0.1",
+                            "--test-fraction", "0.1", "--shard-tokens", "50k", "--max-tokens", "20k", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["splits"]["train"]["tokens"] == 20_000 and summary["splits"]["train"]["shards"] == 1
     meta = json.loads((out / "meta.json").read_text())
     assert meta["settings"]["max_tokens"] == 20_000 and meta["source"]["kind"] == "files"
-    assert_user_error(run_cli("tokenize", tiny_corpus, "--out", out, "--vocab-size", "300"), "already exists",
+    assert_user_error(cli_in_process("tokenize", tiny_corpus, "--out", out, "--vocab-size", "300"), "already exists",
                       "--force")
-    assert_user_error(run_cli("tokenize", tiny_corpus, "--out", tmp_path / "x", "--vocab-size", "300",
-                              "--text-column", "body"), "no text column 'body'", "text, id")
-    assert_user_error(run_cli("tokenize", "--out", tmp_path / "y", "--max-tokens", "lots"), "--max-tokens")
+    assert_user_error(cli_in_process("tokenize", tiny_corpus, "--out", tmp_path / "x", "--vocab-size", "300",
+                                     "--text-column", "body"), "no text column 'body'", "text, id")
+    assert_user_error(cli_in_process("tokenize", "--out", tmp_path / "y", "--max-tokens", "lots"), "--max-tokens")
 
 
 def test_cli_help_shows_the_fineweb_example():
