@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from nanopt.errors import CheckpointError
+
+# torch.distributed.checkpoint is imported inside the functions that use it: it costs a process over a second to
+# import, and eval or export of a one-process checkpoint never needs it.
 
 METADATA_FILE = ".metadata"  # DCP's index of every tensor and the shard file holding each piece
 SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # one (or more) per rank: __<rank>_<n>.distcp
@@ -49,22 +48,28 @@ def save_async(state: dict[str, Any], directory: Path, group: Any) -> Future:
     """Start writing `state` (see tensors_only) into `directory` on every rank; returns once DCP has copied the
     state to host memory (the training step may change the weights from then on). The future completes on every
     rank once all ranks' shards and the index are written and synced."""
+    import torch.distributed.checkpoint as dcp
+
     return dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
 
 
 def save(state: dict[str, Any], directory: Path, group: Any) -> None:
     """The same, waiting for the write (nanopt's benchmarks compare the two)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=str(directory), process_group=group)
 
 
 def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
     """Fill `state`'s tensors in place from the checkpoint in `directory`, whatever world size wrote it. `group`
     None: this process alone reads it (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
     _check_all_tensors(state, directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
         try:
-            dcp.load(state, storage_reader=_IndexCheckingReader(str(directory)), process_group=group,
+            dcp.load(state, storage_reader=_index_checking_reader(directory), process_group=group,
                      no_dist=group is None)
         except dcp.CheckpointException as exc:  # a shard unreadable on some rank: every rank raises it
             raise CheckpointError(f"{directory}: cannot read the shards ({str(exc).splitlines()[0][:160]})",
@@ -99,14 +104,18 @@ def check_complete(directory: Path, files: list[str]) -> None:
                               "use another checkpoint")
 
 
-def _model_entries(directory: Path) -> dict[str, TensorStorageMetadata]:
-    """{weight name: its size and dtype} from the index, for the model part."""
+def _model_entries(directory: Path) -> dict[str, Any]:
+    """{weight name: its TensorStorageMetadata (size and dtype)} from the index, for the model part."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     prefix = "model."
     return {key[len(prefix):]: meta for key, meta in _index(directory).state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
 
 
 def _index(directory: Path) -> Any:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     path = directory / METADATA_FILE
     try:
         index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
@@ -136,21 +145,28 @@ class _IndexUnpickler(pickle.Unpickler):
         return found
 
 
-class _IndexCheckingReader(FileSystemReader):
+def _index_checking_reader(directory: Path) -> Any:
     """DCP's file reader, reading the index through _IndexUnpickler instead of an unrestricted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        index = _index(Path(self.path))
-        if hasattr(dcp_metadata, "StorageMeta") and getattr(index, "storage_meta", None) is None:
-            index.storage_meta = dcp_metadata.StorageMeta()
-        if getattr(index, "storage_meta", None) is not None and hasattr(self, "load_id"):
-            index.storage_meta.load_id = self.load_id
-        return index
+    class IndexCheckingReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            index = _index(directory)
+            if hasattr(dcp_metadata, "StorageMeta") and getattr(index, "storage_meta", None) is None:
+                index.storage_meta = dcp_metadata.StorageMeta()
+            if getattr(index, "storage_meta", None) is not None and hasattr(self, "load_id"):
+                index.storage_meta.load_id = self.load_id
+            return index
+
+    return IndexCheckingReader(str(directory))
 
 
 def _check_all_tensors(state: dict[str, Any], directory: Path) -> None:
     """Every key asked for is stored as a tensor: DCP unpickles a non-tensor entry without restriction (no
     weights_only), which would run whatever code a crafted checkpoint holds."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     stored = _index(directory).state_dict_metadata
     for key in _flat_keys(state):
         if key in stored and not isinstance(stored[key], TensorStorageMetadata):
