@@ -140,6 +140,9 @@ class TrainConfig:
     eval_tokens: int = 1_048_576
     checkpoint_interval: int = 500  # steps; the last step always checkpoints
     keep_checkpoints: int = 3
+    # Write checkpoints in the background, keeping one host copy of each rank's state between saves; false: the
+    # step waits for every save, and the host copy is freed after each.
+    checkpoint_async: bool = True
     log_interval: int = 10
     seed: int = 1337
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32

@@ -88,6 +88,11 @@ for line in sys.stdin:
 """
 
 
+def _read_if_any(path: Path) -> str:
+    """A child killed between fork and opening its output files (a kill "while starting") wrote nothing."""
+    return path.read_text() if path.exists() else ""
+
+
 @dataclass
 class Child:
     pid: int
@@ -97,11 +102,11 @@ class Child:
 
     @property
     def stderr(self) -> str:
-        return self.err.read_text()
+        return _read_if_any(self.err)
 
     @property
     def stdout(self) -> str:
-        return self.out.read_text()
+        return _read_if_any(self.out)
 
     @property
     def returncode(self) -> int | None:

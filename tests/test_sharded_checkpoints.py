@@ -185,3 +185,15 @@ def test_a_kill_during_a_background_save_leaves_latest_on_a_complete_checkpoint(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {found.path}" in resumed.stderr
     assert sorted(losses(run)) == list(range(1, 13))
+
+
+def test_checkpoint_async_false_makes_every_save_wait_for_its_files(tmp_path: Path, tiny_dataset: Path,
+                                                                    cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, "waits", model=TINY_MODEL,
+                   **{**TRAIN, "max_steps": 4, "checkpoint_interval": 2, "checkpoint_async": False})
+    result = cli_in_process("train", run, "--no-live")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    assert [r["step"] for r in saves] == [2, 4]
+    assert all(r["blocked_s"] == r["write_s"] > 0 for r in saves), saves

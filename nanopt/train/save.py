@@ -7,6 +7,9 @@ The step is blocked only while the state is copied to host memory; the files are
 Publishing (nanopt.train.checkpoint.publish) renames the finished directory into place and then moves `latest`, so
 a crash during a background save leaves `latest` on the previous complete checkpoint.
 
+The host copy is kept between saves (reused, not allocated again); train.json's `checkpoint_async` false makes
+every save wait for its files and free its copy, for machines short of host memory.
+
 At most one save is in flight. The next save, the end of the run, a preemption and a rollback wait for it
 (`wait_for_save`), and there every rank learns whether it succeeded on all of them. metrics.jsonl's checkpoint
 event records how long the step was blocked (`blocked_s`) and how long the checkpoint took to be complete
@@ -64,16 +67,17 @@ def save_checkpoint(s: Session) -> float:
         meta["layout"] = ckpt.SHARDED
         if s.checkpoint_group is None:
             s.checkpoint_group = new_cpu_group(s.rt)
-        written = sharded.save_async(sharded.tensors_only(state), tmp, s.checkpoint_group)
+        written = sharded.save_async(sharded.tensors_only(state), tmp, s.checkpoint_group, _stager(s))
         future = _in_background(_publish_after, s, st.step, written, meta, best) if s.rt.is_main else written
     else:
         meta["layout"] = ckpt.FULL
-        staged = _host_copy(state)  # the step may change the weights as soon as this returns
+        staged = _host_copy(s, state)  # the step may change the weights as soon as this returns
         future = _in_background(_write_full_then_publish, s, st.step, tmp, staged, meta, best)
-    blocked = time.perf_counter() - started
-    s.pending_save = PendingSave(st.step, future, blocked, time.perf_counter())
+    s.pending_save = PendingSave(st.step, future, time.perf_counter() - started, time.perf_counter())
     st.last_checkpoint_step = st.step
-    return blocked
+    if not s.run.train.checkpoint_async:
+        wait_for_save(s)
+    return time.perf_counter() - started
 
 
 def wait_for_save(s: Session) -> None:
@@ -112,8 +116,9 @@ def wait_quietly(s: Session, timeout_s: float = 60.0) -> None:
 
 def _record(s: Session, pending: PendingSave, published: Published) -> None:
     write_s = published.finished - pending.submitted + pending.blocked_s
+    blocked_s = pending.blocked_s if s.run.train.checkpoint_async else write_s  # without it the step waits for all
     s.metrics.write("event", step=pending.step, event="checkpoint", path=str(published.path),
-                    blocked_s=round(pending.blocked_s, 4), write_s=round(write_s, 4))
+                    blocked_s=round(blocked_s, 4), write_s=round(write_s, 4))
     if not published.carries_tokenizer:
         s.observer.note(f"{published.path.name} does not carry the tokenizer: {s.dataset.tokenizer_path} changed "
                         "since training started; eval and export of it need --data with the original dataset")
@@ -144,8 +149,23 @@ def _meta(s: Session, rank_states: list) -> dict[str, Any]:
     return meta
 
 
-def _host_copy(state: dict[str, Any]) -> dict[str, Any]:
+def _stager(s: Session) -> Any:
+    """The session's stager (nanopt.train.sharded.new_stager), made at its first save and kept: its host copy of
+    the state is reused by every later save. The previous save is always complete before the next copy starts.
+    None with checkpoint_async false: each save's copy is freed once written."""
+    if not s.run.train.checkpoint_async:
+        return None
+    if s.checkpoint_stager is None:
+        s.checkpoint_stager = sharded.new_stager(s.rt.device) or False  # False: this torch has none
+    return s.checkpoint_stager or None
+
+
+def _host_copy(s: Session, state: dict[str, Any]) -> dict[str, Any]:
     """A copy of every tensor in host memory (on the CPU too: training goes on changing the originals)."""
+    stager = _stager(s)
+    if stager is not None:
+        return stager.stage(state)
+
     def copy(value: Any) -> Any:
         if torch.is_tensor(value):
             return value.detach().to("cpu", copy=True)

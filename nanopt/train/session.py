@@ -56,6 +56,7 @@ class Session:
     spike_watch: Any = None  # nanopt.train.recovery.SpikeWatch, set by the training loop when recovery is on
     pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
+    checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
 
     @property
     def state(self) -> Counters:

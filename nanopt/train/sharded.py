@@ -44,13 +44,35 @@ def tensors_only(state: dict[str, Any]) -> dict[str, Any]:
     return {"model": state["model"], "optimizer": {"state": optimizer}}
 
 
-def save_async(state: dict[str, Any], directory: Path, group: Any) -> Future:
+def save_async(state: dict[str, Any], directory: Path, group: Any, stager: Any = None) -> Future:
     """Start writing `state` (see tensors_only) into `directory` on every rank; returns once DCP has copied the
-    state to host memory (the training step may change the weights from then on). The future completes on every
-    rank once all ranks' shards and the index are written and synced."""
+    state to host memory (the training step may change the weights from then on), with `stager` (new_stager)
+    when one is given. The future completes on every rank once all ranks' shards and the index are written and
+    synced."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
+    staging = {"async_stager": stager} if stager is not None else {}
+    return dcp.async_save(state, checkpoint_id=str(directory), process_group=group, **staging)
+
+
+def new_stager(device: torch.device) -> Any:
+    """A stager that keeps the host copy of the state between saves, so that each save after the first copies into
+    memory it already has (pinned on CUDA) instead of allocating and faulting in a copy of the whole state: that
+    allocation was most of the time a save blocked the step. None on a torch without DCP's stagers (before 2.9):
+    every save then allocates its copy, as before."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return None
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
 
 
 def save(state: dict[str, Any], directory: Path, group: Any) -> None:
