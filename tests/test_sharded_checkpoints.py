@@ -1,6 +1,6 @@
 """Sharded checkpoints (several ranks write torch.distributed.checkpoint shards, in the background): a run moves
 between 4, 2 and 1 ranks without skipping or repeating a sample, with its optimizer state resharded; eval and export
-read the shards; a crafted shard index cannot run code; a kill during a background save never moves `latest`.
+read the shards; a crafted shard index cannot run code. (Background saves: tests/test_background_saves.py.)
 
 Every sample a rank reads is recorded by a small `sitecustomize` put on the ranks' PYTHONPATH: it wraps the real
 loader's next_batch, writes (step, first global sample, micro-batch size), and changes nothing else.
@@ -12,14 +12,11 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from clihelp import REPO, run_cli
-from faulthelp import TINY_MODEL
+from faulthelp import TINY_MODEL, Launcher
 from trainhelp import losses, make_run
 
 from nanopt.errors import CheckpointError
@@ -49,13 +46,20 @@ TRAIN = {"micro_batch_size": 1, "global_batch_tokens": 64, "max_steps": STEPS_PE
 SAMPLES_PER_STEP = 4
 
 
-def train(run: Path, ranks: int, max_steps: int, log: Path) -> subprocess.CompletedProcess:
-    log.mkdir(exist_ok=True)
-    env = {"PYTHONPATH": os.pathsep.join([str(log.parent / "site"), str(REPO)]), "SAMPLE_LOG": str(log)}
-    result = run_cli("train", run, "--no-live", "--nproc-per-node", ranks, "--allow-changed",
-                     "--set", f"max_steps={max_steps}", env=env, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def train(launcher: Launcher, run: Path, ranks: int, max_steps: int, log: Path | None) -> str:
+    """`nanopt train` with every sample recorded into `log` (None: not recorded); returns its stderr. Several ranks:
+    forked from the warm launcher, whose torchrun starts fresh ranks that import the recorder. One process that is
+    recorded: a fresh `python -m nanopt`, which imports it too."""
+    options = ["--no-live", "--nproc-per-node", str(ranks), "--allow-changed", "--set", f"max_steps={max_steps}"]
+    env = {}
+    if log is not None:
+        log.mkdir(exist_ok=True)
+        env = {"PYTHONPATH": os.pathsep.join([str(log.parent / "site"), str(REPO)]), "SAMPLE_LOG": str(log)}
+    if ranks == 1 and log is not None:
+        result = run_cli("train", run, *options, env=env, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
+    return launcher.train(run, *options[1:], env=env).stderr
 
 
 def consumed(log: Path) -> list[int]:
@@ -69,7 +73,7 @@ def consumed(log: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict:
+def chain(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> dict:
     """One run trained 3 steps at a time on 4, 2, 1, then 4 ranks (each session resumes the previous one's
     checkpoint), and the same run trained 12 steps in one process."""
     root = tmp_path_factory.mktemp("reshard")
@@ -78,11 +82,11 @@ def chain(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict:
     run = make_run(root, tiny_dataset, "chain", model=TINY_MODEL, **TRAIN)
     sessions = []
     for number, ranks in enumerate((4, 2, 1, 4), 1):
-        result = train(run, ranks, number * STEPS_PER_SESSION, root / f"samples-{number}")
-        sessions.append({"ranks": ranks, "stderr": result.stderr, "log": root / f"samples-{number}",
+        stderr = train(launcher, run, ranks, number * STEPS_PER_SESSION, root / f"samples-{number}")
+        sessions.append({"ranks": ranks, "stderr": stderr, "log": root / f"samples-{number}",
                          "checkpoint": ckpt.resolve(run, "latest")})
     whole = make_run(root, tiny_dataset, "whole", model=TINY_MODEL, **TRAIN)
-    train(whole, 1, 4 * STEPS_PER_SESSION, root / "samples-whole")
+    train(launcher, whole, 1, 4 * STEPS_PER_SESSION, None)
     return {"run": run, "whole": whole, "sessions": sessions, "root": root}
 
 
@@ -156,44 +160,3 @@ def test_a_crafted_shard_index_is_refused_without_running_it(chain: dict, tmp_pa
     with pytest.raises(CheckpointError, match="not a readable shard index"):
         ckpt.load_model_state(ckpt.Checkpoint(copy, json.loads((copy / "meta.json").read_text())))
     assert not marker.exists()
-
-
-def test_a_kill_during_a_background_save_leaves_latest_on_a_complete_checkpoint(tmp_path: Path,
-                                                                                 tiny_dataset: Path):
-    """SIGKILL to the launcher and both ranks while a checkpoint is still being written (its `.tmp-step-N/` exists,
-    after an earlier one completed): `latest` names a complete checkpoint, and the run resumes from it."""
-    import psutil
-
-    wider = {**TINY_MODEL, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4}
-    run = make_run(tmp_path, tiny_dataset, "killed", model=wider, **{**TRAIN, "max_steps": 12,
-                                                                      "checkpoint_interval": 1})
-    job = subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", "--nproc-per-node", "2"],
-                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    root, deadline = run / "checkpoints", time.monotonic() + 120
-    try:
-        while not (list(root.glob(".tmp-step-*")) and (root / "latest").exists()):
-            assert job.poll() is None and time.monotonic() < deadline, "the run ended before a save was caught"
-            time.sleep(0.0005)
-        for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
-            process.kill()  # every process at once, as when the node is lost
-    finally:
-        job.wait(timeout=60)
-    named = ckpt.read_pointer(root, "latest")  # the pointer itself, not the fallback to the newest valid one
-    found = ckpt.verify_discovered(root / named)  # every file present and matching its checksum
-    assert found.layout == ckpt.SHARDED and found.step < 12
-    resumed = run_cli("train", run, "--no-live", "--nproc-per-node", "2", timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {found.path}" in resumed.stderr
-    assert sorted(losses(run)) == list(range(1, 13))
-
-
-def test_checkpoint_async_false_makes_every_save_wait_for_its_files(tmp_path: Path, tiny_dataset: Path,
-                                                                    cli_in_process):
-    run = make_run(tmp_path, tiny_dataset, "waits", model=TINY_MODEL,
-                   **{**TRAIN, "max_steps": 4, "checkpoint_interval": 2, "checkpoint_async": False})
-    result = cli_in_process("train", run, "--no-live")
-    assert result.returncode == 0, result.stderr[-2000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    saves = [r for r in records if r.get("event") == "checkpoint"]
-    assert [r["step"] for r in saves] == [2, 4]
-    assert all(r["blocked_s"] == r["write_s"] > 0 for r in saves), saves
