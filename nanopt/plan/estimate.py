@@ -578,6 +578,7 @@ def _layout_warning(row: dict[str, Any], own: Layout, target: Target) -> str | N
     if row["run_layout"]["fits"] or not row["fits"]:
         return None
     layout = Layout(row["layout"]["parallelism"], row["layout"]["activation_checkpointing"])
-    return (f"train.json's {own.name} does not fit on {row['gpus']} GPUs of {_gib(target.memory_bytes)} at "
+    gpus = f"{row['gpus']} GPU{'s' if row['gpus'] != 1 else ''}"
+    return (f"train.json's {own.name} does not fit on {gpus} of {_gib(target.memory_bytes)} at "
             f"micro-batch {row['micro_batch_size']} (it needs {_gib(row['run_layout']['memory_bytes'])} per GPU); "
             f"{layout.name} does ({_gib(row['memory_bytes'])}): {layout.set_options}")
