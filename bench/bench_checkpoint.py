@@ -143,7 +143,8 @@ def save_old(s: Any, watch: RssWatch) -> dict[str, float]:
     optimizer_state = full_optimizer_state(s.prepared, s.optimizer)
     path = None
     if s.rt.is_main:
-        weights, tied = ckpt.dedupe_tied(model_state)
+        tied = tied_aliases(s.prepared.raw)  # the same names the old save's storage comparison found
+        weights = {k: v for k, v in model_state.items() if k not in tied}
         path = ckpt.write_checkpoint(s.run.run_dir, s.state.step, weights, optimizer_state, _meta(s, tied),
                                      tokenizer=s.dataset.tokenizer_path)
     path = broadcast_object(s.rt, path)  # every rank learns the outcome, as the old save did

@@ -500,18 +500,3 @@ def _mismatch(ckpt: Checkpoint, what: str) -> CheckpointError:
 def load_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
     tensors = load_file(str(ckpt.path / "optimizer.safetensors"))
     return unflatten_optimizer_state(tensors, ckpt.meta["optimizer_param_groups"])
-
-
-def dedupe_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop keys whose tensor shares storage with an earlier key (tied embeddings); return the aliases."""
-    seen: dict[tuple[int, tuple[int, ...]], str] = {}
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for key, tensor in state.items():
-        ident = (tensor.untyped_storage().data_ptr(), tuple(tensor.shape))
-        if tensor.numel() and ident in seen:
-            aliases[key] = seen[ident]
-        else:
-            seen[ident] = key
-            kept[key] = tensor
-    return kept, aliases

@@ -87,11 +87,12 @@ def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
     None: this process alone reads it (no process group needed)."""
     import torch.distributed.checkpoint as dcp
 
-    _check_all_tensors(state, directory)
+    index = _index(directory)  # read once: the same index is checked and then given to DCP
+    _check_all_tensors(state, index, directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
         try:
-            dcp.load(state, storage_reader=_index_checking_reader(directory), process_group=group,
+            dcp.load(state, storage_reader=_index_checking_reader(directory, index), process_group=group,
                      no_dist=group is None)
         except dcp.CheckpointException as exc:  # a shard unreadable on some rank: every rank raises it
             raise CheckpointError(f"{directory}: cannot read the shards ({str(exc).splitlines()[0][:160]})",
@@ -167,14 +168,14 @@ class _IndexUnpickler(pickle.Unpickler):
         return found
 
 
-def _index_checking_reader(directory: Path) -> Any:
-    """DCP's file reader, reading the index through _IndexUnpickler instead of an unrestricted unpickler."""
+def _index_checking_reader(directory: Path, index: Any) -> Any:
+    """DCP's file reader, answering with `index` (read by _IndexUnpickler, and checked) instead of unpickling the
+    file again without restriction."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
     class IndexCheckingReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            index = _index(directory)
             if hasattr(dcp_metadata, "StorageMeta") and getattr(index, "storage_meta", None) is None:
                 index.storage_meta = dcp_metadata.StorageMeta()
             if getattr(index, "storage_meta", None) is not None and hasattr(self, "load_id"):
@@ -184,12 +185,12 @@ def _index_checking_reader(directory: Path) -> Any:
     return IndexCheckingReader(str(directory))
 
 
-def _check_all_tensors(state: dict[str, Any], directory: Path) -> None:
+def _check_all_tensors(state: dict[str, Any], index: Any, directory: Path) -> None:
     """Every key asked for is stored as a tensor: DCP unpickles a non-tensor entry without restriction (no
     weights_only), which would run whatever code a crafted checkpoint holds."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = _index(directory).state_dict_metadata
+    stored = index.state_dict_metadata
     for key in _flat_keys(state):
         if key in stored and not isinstance(stored[key], TensorStorageMetadata):
             raise CheckpointError(f"{directory}: '{key}' is stored as an object, not a tensor (not written by nanopt)",
