@@ -331,18 +331,15 @@ def _eval_share(s: Session) -> float:
 
 
 def _warn_if_eval_costly(s: Session) -> None:
-    """Once per session, from its second evaluation (the first may compile), say when evaluation will take more
-    than phases.EVAL_SHARE_WARNING of the time from here on (the latest evaluation against as many steps as the
-    eval_interval), with the eval_interval or eval_tokens that would bring it under."""
-    eval_s, step_s, interval = s.clock.last["eval"], s.clock.mean("train"), s.run.train.eval_interval
-    if s.eval_share_warned or s.clock.counts["eval"] < 2 or eval_s is None or step_s is None:
+    """Once per session, say when evaluation takes more than phases.EVAL_SHARE_WARNING of the time of its interval
+    (see phases.EvalShareWatch), with the eval_interval or eval_tokens that would bring it under."""
+    eval_s, interval = s.clock.last["eval"], s.run.train.eval_interval
+    costly = s.eval_watch.costly(s.state.step, s.clock.seconds["train"], eval_s or 0.0)
+    if costly is None:
         return
-    share = eval_s / (eval_s + interval * step_s)
-    if share <= phases.EVAL_SHARE_WARNING:
-        return
-    s.eval_share_warned = True
+    share, step_s = costly
     advice = phases.eval_advice(eval_s, step_s, s.run)
-    s.metrics.write("event", step=s.state.step, event="eval_share", share=share, **advice)
+    s.metrics.write("event", step=s.state.step, event="eval_share", share=share, step_s=step_s, **advice)
     s.observer.note(f"step {s.state.step}: evaluation takes {share:.0%} of the step and evaluation time ("
                     f"{eval_s:.2f} s every {interval} steps of {step_s:.3f} s); "
                     f"eval_interval {advice['eval_interval']} or eval_tokens {advice['eval_tokens']:,} would bring "

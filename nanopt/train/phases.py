@@ -184,6 +184,30 @@ def projected_seconds(run: Any, from_step: int, step_s: float, eval_s: float | N
             "eval": evals * (eval_s or 0.0), "checkpoint": checkpoints * (checkpoint_s or 0.0)}
 
 
+class EvalShareWatch:
+    """Judges evaluation's cost interval by interval: the latest evaluation against the steps since the one before,
+    both timed in the same stretch of the run, so a slow first step (torch.compile) or a busy machine weighs on both
+    sides alike. Costly means over EVAL_SHARE_WARNING in two intervals running: one slow evaluation is noise."""
+
+    def __init__(self) -> None:
+        self.mark: tuple[int, float] | None = None  # (step, the session's train seconds) at the last evaluation
+        self.over_before = False
+        self.warned = False
+
+    def costly(self, step: int, train_seconds: float, eval_s: float) -> tuple[float, float] | None:
+        """After an evaluation at `step`: (share, seconds per step) when it calls for a warning (once), else None."""
+        mark, self.mark = self.mark, (step, train_seconds)
+        if mark is None or step <= mark[0] or self.warned:
+            return None
+        step_s = (train_seconds - mark[1]) / (step - mark[0])
+        share = eval_s / max(eval_s + (train_seconds - mark[1]), 1e-9)
+        over = share > EVAL_SHARE_WARNING
+        twice, self.over_before = over and self.over_before, over
+        if not twice:
+            return None
+        self.warned = True
+        return share, step_s
+
 def eval_advice(eval_s: float, step_s: float, run: Any) -> dict[str, Any]:
     """The eval_interval and eval_tokens that would each bring evaluation under EVAL_SHARE_WARNING of the time
     spent in steps and evaluation, given one evaluation's and one step's seconds (evaluation time is taken to

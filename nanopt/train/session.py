@@ -17,7 +17,7 @@ from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare
-from nanopt.train.phases import PhaseClock
+from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
 
@@ -52,7 +52,7 @@ class Session:
     preempt_requested: bool = field(default=False)
     clock: PhaseClock = field(default_factory=PhaseClock)
     earlier: list[dict[str, Any]] = field(default_factory=list)  # earlier sessions' phase records (rank 0)
-    eval_share_warned: bool = False
+    eval_watch: EvalShareWatch = field(default_factory=EvalShareWatch)
     spike_watch: Any = None  # nanopt.train.recovery.SpikeWatch, set by the training loop when recovery is on
     pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
