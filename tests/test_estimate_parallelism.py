@@ -77,12 +77,12 @@ def test_a_model_too_large_for_one_gpu_needs_fsdp2_on_eight(cli_in_process):
 
 
 def test_the_smallest_gpu_of_the_table_needs_activation_checkpointing(cli_in_process):
-    table = parallelism(cli_in_process, RUNS / "llama-3.2-1b", "--gpu", "rtx-4090")
+    table = parallelism(cli_in_process, RUNS / "llama-3.2-1b", "--gpu", "rtx-4090", "--set", "micro_batch_size=2")
     one = row(table, 1)
     assert one["fits"] is True and layout_of(one) == ("ddp", True)
     assert one["layout"]["name"] == "DDP + activation checkpointing"
-    assert verdict("llama-3.2-1b", ("ddp", False), 1, 4, gpu="rtx-4090")["fit"]["fits"] is False
-    assert verdict("llama-3.2-1b", ("ddp", True), 1, 4, gpu="rtx-4090")["fit"]["fits"] is True
+    assert verdict("llama-3.2-1b", ("ddp", False), 1, 2, gpu="rtx-4090")["fit"]["fits"] is False
+    assert verdict("llama-3.2-1b", ("ddp", True), 1, 2, gpu="rtx-4090")["fit"]["fits"] is True
 
 
 def test_fsdp2_memory_per_gpu_falls_as_gpus_are_added(cli_in_process):

@@ -3,6 +3,7 @@ unsupported configs, mismatched weights and occupied destinations are refused wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -169,3 +170,28 @@ def test_an_earlier_export_needs_force_and_is_replaced_whole_but_other_files_nev
     with pytest.raises(ConfigError, match="not a nanopt export"):
         export_hf(cfg, state, None, out, force=True)
     assert (out / "stale.txt").read_text() == "someone's notes"
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-gqa-untied"])
+def test_vocab_padded_past_the_tokenizer_is_sliced_back(name, tmp_path):
+    """A model vocab padded for fast GEMMs (GPT-2's 50257 -> 50304) exports with the tokenizer's vocab: the extra
+    embedding and head rows are never a token, and transformers would otherwise size its vocab by them."""
+    from safetensors import safe_open
+
+    train_tiny_tokenizer(tmp_path / "tokenizer.json")
+    real_vocab = 300
+    cfg = dataclasses.replace(CONFIGS[name], vocab_size=384)
+    model = trained_looking_model(cfg)
+    out = export_hf(cfg, model.state_dict(), tmp_path / "tokenizer.json", tmp_path / "export")
+
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == real_vocab
+    with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
+        row_counts = {key: weights.get_slice(key).get_shape()[0] for key in weights.keys()
+                      if key.endswith(("wte.weight", "embed_tokens.weight", "lm_head.weight"))}
+    assert row_counts and set(row_counts.values()) == {real_vocab}, row_counts
+    hf_model = load_hf(out)
+    ids = torch.randint(0, real_vocab, (2, 40))
+    with torch.no_grad():
+        hf_logits, ours = hf_model(ids).logits, model(ids)
+    assert hf_logits.shape[-1] == real_vocab
+    assert (hf_logits - ours[..., :real_vocab]).abs().max().item() < 1e-4

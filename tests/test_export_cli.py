@@ -47,3 +47,35 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path: Path, tiny_data
     assert forced.returncode == 0, forced.stderr[-3000:]
     summary = json.loads(forced.stdout)
     assert summary["step"] == 4 and summary["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size
+
+
+def test_run_with_a_padded_vocab_trains_and_exports_the_tokenizers_vocab(tmp_path: Path, tiny_dataset: Path,
+                                                                          launcher: Launcher):
+    """The GPT-2 presets pad 50257 to 50304: a model vocab past the dataset's tokenizer trains, and the export
+    has the tokenizer's vocab with nanopt's logits on those rows."""
+    from faulthelp import TINY_MODEL
+
+    from nanopt.config import model_config_from_snapshot
+    from nanopt.model.transformer import Transformer
+    from nanopt.train.checkpoint import load_model_state, resolve
+
+    real_vocab = json.loads((tiny_dataset / "meta.json").read_text())["vocab_size"]
+    padded = real_vocab + 128
+    run = make_run(tmp_path, tiny_dataset, model={**TINY_MODEL, "vocab_size": padded}, micro_batch_size=2,
+                   global_batch_tokens=32, max_steps=2, eval_interval=0, checkpoint_interval=2)
+    launcher.train(run)
+    out = tmp_path / "hf"
+    result = launcher.run("export", run, "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == real_vocab
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ckpt = resolve(run, "latest")
+    model = Transformer(model_config_from_snapshot(ckpt.meta["config"]["model"]))
+    assert model.cfg.vocab_size == padded
+    model.load_state_dict(load_model_state(ckpt))
+    ids = torch.randint(0, real_vocab, (1, 12))
+    with torch.no_grad():
+        hf_logits, ours = hf_model(ids).logits, model.eval()(ids)
+    assert hf_logits.shape[-1] == real_vocab
+    assert (hf_logits - ours[..., :real_vocab]).abs().max().item() < 1e-4

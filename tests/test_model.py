@@ -250,3 +250,25 @@ def test_dropout_only_in_training():
     assert not torch.allclose(model(ids), model(ids))
     model.eval()
     assert torch.equal(model(ids), model(ids))
+
+
+# ------------------------------------------------------------------------------------------ attention kernels
+
+
+def test_cudnn_attention_preference_is_switchable_and_off_the_gpu_changes_nothing():
+    # cuDNN attention is preferred by default on Hopper only; a CPU run never asks for it, and asking for it
+    # explicitly (what a GPU comparison does) still computes the same attention, compiled in one graph too.
+    from nanopt.model.transformer import cudnn_attention_by_default
+
+    assert cudnn_attention_by_default(torch.device("cpu")) is False
+    cfg = tiny("llama")
+    model = build(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    default = model(ids, targets)
+    model.prefer_cudnn_attention(True)
+    assert all(layer.attn.prefer_cudnn is True for layer in model.layers)
+    preferred = model(ids, targets)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, targets)
+    model.prefer_cudnn_attention(False)
+    assert torch.equal(default, preferred) and torch.allclose(compiled, default, atol=1e-6)

@@ -151,6 +151,8 @@ def render(r: dict[str, Any]) -> None:
     _print_verdict(r["fit"])
     if r["parallelism"] is not None and r["parallelism"]["warning"]:
         out.print(f"[bold yellow]warning:[/] {escape(r['parallelism']['warning'])}", soft_wrap=True)
+    if r["attention"] is not None and r["attention"]["warning"]:
+        out.print(f"[bold yellow]warning:[/] {escape(r['attention']['warning'])}", soft_wrap=True)
 
 
 def _mfu_text(r: dict[str, Any]) -> str:

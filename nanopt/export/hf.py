@@ -55,15 +55,16 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_j
     out_dir = Path(out_dir)
     _check_destination(out_dir, force, run_dir)
     check_exportable(model_cfg)
-    hf_state = to_hf_state_dict(model_cfg, state_dict)
     tokenizer_files: dict[str, Any] = {}
+    vocab_size = model_cfg.vocab_size
     if tokenizer_json is not None:
-        tokenizer_files, eos_id = _tokenizer_files(Path(tokenizer_json), model_cfg, eos_id)
+        tokenizer_files, eos_id, vocab_size = _tokenizer_files(Path(tokenizer_json), model_cfg, eos_id)
+    hf_state = to_hf_state_dict(model_cfg, state_dict, vocab_size)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _new_sibling(out_dir, "partial")
     try:
-        _write_json(staging / "config.json", hf_config(model_cfg, eos_id))
+        _write_json(staging / "config.json", hf_config(model_cfg, eos_id, vocab_size))
         _save_safetensors(hf_state, staging / "model.safetensors")
         for name, content in tokenizer_files.items():
             if isinstance(content, Path):
@@ -95,10 +96,11 @@ def check_exportable(cfg: ModelConfig) -> None:
                           'export supports "llama" and "gpt2"')
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
-    """config.json contents. bos = eos: nanopt separates documents with EOS and has no separate BOS."""
+def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = None) -> dict[str, Any]:
+    """config.json contents. bos = eos: nanopt separates documents with EOS and has no separate BOS. vocab_size
+    (default: the model's) is the tokenizer's when the model's vocab was padded past it (see to_hf_state_dict)."""
     common = {
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.vocab_size if vocab_size is None else vocab_size,
         "initializer_range": cfg.initializer_range,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": eos_id,
@@ -151,11 +153,22 @@ def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- weights
 
 
-def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor], vocab_size: int | None = None
+                     ) -> dict[str, Tensor]:
     """nanopt weights -> transformers names and layouts, as contiguous fp32 CPU tensors. A tied head is left out:
-    transformers ties it to the embedding on load."""
+    transformers ties it to the embedding on load.
+
+    vocab_size below the model's keeps only the first vocab_size rows of the embedding and the head: a vocabulary
+    padded for aligned GEMMs (GPT-2's 50257 tokens in a 50304-row model) has rows that no token id reaches, and
+    transformers sizes its vocabulary (generation, resize_token_embeddings) by the weights. The logits of the real
+    tokens are unchanged; the padded rows, which training only ever pushed down, leave the softmax.
+    """
     _check_state_dict(cfg, state_dict)
     state = {key: value.detach().to(device="cpu", dtype=torch.float32) for key, value in state_dict.items()}
+    if vocab_size is not None and vocab_size < cfg.vocab_size:
+        for key in ("embed_tokens.weight", "lm_head.weight"):
+            if key in state:
+                state[key] = state[key][:vocab_size]
     convert = _llama_weights if cfg.architecture == "llama" else _gpt2_weights
     hf_state = convert(cfg, state)
     if not cfg.tie_word_embeddings:
@@ -233,8 +246,9 @@ def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
 # --------------------------------------------------------------------------------------------- tokenizer
 
 
-def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[dict[str, Any], int]:
-    """The tokenizer files to write, and the EOS id (given, or the tokenizer's end-of-text token)."""
+def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[dict[str, Any], int, int]:
+    """The tokenizer files to write, the EOS id (given, or the tokenizer's end-of-text token) and the tokenizer's
+    vocabulary size, which the export takes when the model's vocab was padded past it."""
     from nanopt.data.tokenizer import read_tokenizer_file
 
     if not path.is_file():
@@ -253,7 +267,7 @@ def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[
         "clean_up_tokenization_spaces": False,
     }
     files = {"tokenizer.json": path, "tokenizer_config.json": tokenizer_config, "special_tokens_map.json": special}
-    return files, eos_id
+    return files, eos_id, tokenizer.get_vocab_size()
 
 
 def _end_of_text_token(tokenizer: Any, eos_id: int | None, path: Path) -> str:

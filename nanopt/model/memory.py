@@ -7,11 +7,13 @@ report this model's error) call the same `estimate_memory`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from nanopt.config import ModelConfig
 from nanopt.model.flops import count_params
+from nanopt.model.loss_chunks import LOSS_CHUNKS
 
 # Bytes the CUDA context, cuBLAS workspaces and allocator fragmentation take before the first tensor. Measured
 # figures are typically 0.5-1.5 GiB; the calibration in `nanopt find-batch` reports the error of this model.
@@ -25,9 +27,12 @@ class MemoryEstimate:
     optimizer: int
     activations_per_sequence: int
     runtime_overhead: int
+    # The loss's fp32 head gradient, formed in forward and held until backward, and its bf16 copy there (per GPU,
+    # never sharded: the loss runs on the gathered head).
+    loss_buffers: int = 0
 
     def fixed(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.runtime_overhead
+        return self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.loss_buffers
 
     def total(self, micro_batch_size: int) -> int:
         return self.fixed() + micro_batch_size * self.activations_per_sequence
@@ -38,7 +43,36 @@ class MemoryEstimate:
     def to_dict(self, micro_batch_size: int) -> dict[str, int]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations_per_sequence": self.activations_per_sequence,
-                "runtime_overhead": self.runtime_overhead, "total": self.total(micro_batch_size)}
+                "runtime_overhead": self.runtime_overhead, "loss_buffers": self.loss_buffers,
+                "total": self.total(micro_batch_size)}
+
+
+# Which SDPA kernel CUDA runs for nanopt's training attention (causal, no mask, enable_gqa for grouped queries).
+# Flash takes fp16/bf16 with a head size that is a multiple of 8 up to 256; the memory-efficient kernel takes fp32
+# too but not enable_gqa; anything else falls back to the math kernel, which materializes the [B, H, T, T] scores.
+FLASH_MAX_HEAD_DIM = 256
+
+
+def attention_kernel(cfg: ModelConfig, precision: str) -> str:
+    """"flash", "efficient" or "math": the SDPA kernel a CUDA training step gets for this shape and precision."""
+    head_ok = cfg.head_dim % 8 == 0 and cfg.head_dim <= FLASH_MAX_HEAD_DIM
+    if precision in ("bf16", "fp16") and head_ok:
+        return "flash"
+    grouped = cfg.num_key_value_heads != cfg.num_attention_heads
+    return "math" if grouped else "efficient"
+
+
+def attention_fallback_warning(cfg: ModelConfig, precision: str) -> str | None:
+    """One line naming the math-kernel fallback and its fix, or None when training gets a memory-efficient kernel."""
+    if attention_kernel(cfg, precision) != "math":
+        return None
+    grouped = f"grouped-query attention ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads)"
+    if precision not in ("bf16", "fp16"):
+        return (f"{precision} with {grouped} runs PyTorch's slow math attention kernel, which stores "
+                f"[batch, heads, seq, seq] scores; set \"precision\": \"bf16\" in train.json for the flash kernel")
+    return (f"head size {cfg.head_dim} with {grouped} runs PyTorch's slow math attention kernel, which stores "
+            f"[batch, heads, seq, seq] scores (flash takes multiples of 8 up to {FLASH_MAX_HEAD_DIM}); change "
+            "hidden_size or num_attention_heads in model.json (whatever \"precision\" is)")
 
 
 def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compiled: bool) -> int:
@@ -66,15 +100,38 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
     return residual + norms + attention + mlp + elementwise
 
 
-def loss_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> int:
-    """The final norm output and the fused loss's saved d(hidden); no [T, V] logits are kept."""
-    return 4 * cfg.hidden_size + 2 * act_bytes * cfg.hidden_size + 8
+def math_attention_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, seq_len: int) -> int:
+    """What the math kernel saves beyond a flash-style kernel: the softmaxed scores (one row of seq_len per head)
+    and the K/V heads expanded to every query head, less the log-sum-exp it does not keep."""
+    expanded_kv = 2 * act_bytes * (cfg.num_attention_heads - cfg.num_key_value_heads) * cfg.head_dim
+    return act_bytes * cfg.num_attention_heads * seq_len + expanded_kv - 4 * cfg.num_attention_heads
+
+
+def loss_bytes_per_token(cfg: ModelConfig, act_bytes: int, compiled: bool) -> int:
+    """The final norm output, the loss's saved d(hidden), and its per-chunk transients spread over the tokens: one
+    chunk's fp32 logits (reused in place for the probabilities; eager logsumexp adds a temporary of the same size)
+    and the chunk's logits gradient in the compute dtype. No [T, V] logits are kept."""
+    saved = 4 * cfg.hidden_size + 2 * act_bytes * cfg.hidden_size + 8
+    chunk = cfg.vocab_size * (4 + (0 if compiled else 4) + act_bytes)
+    return saved + -(-chunk // LOSS_CHUNKS)
+
+
+def loss_buffer_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+    """The fp32 head gradient the loss accumulates in forward and keeps until backward, where it is scaled in place
+    and, under bf16 autocast, cast to bf16 for autograd (which casts that to the fp32 .grad, counted as gradients)
+    while every activation is still alive."""
+    head = cfg.vocab_size * cfg.hidden_size
+    return 4 * head + (act_bytes * head if act_bytes < 4 else 0)
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
                     activation_checkpointing: bool, parallelism: str, world_size: int,
-                    optimizer: str = "adamw") -> MemoryEstimate:
+                    optimizer: str = "adamw", cuda: bool = True) -> MemoryEstimate:
     """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights.
+
+    On CUDA (`cuda`) attention costs what the SDPA kernel the shape and precision get holds (attention_kernel):
+    the math fallback adds its [H, T, T] scores per layer and, at the peak of one layer's backward, two more
+    score-sized tensors. On the CPU, SDPA's flash kernel takes every precision and grouping.
 
     Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
     momentum buffer for the hidden matrices it updates instead. FSDP shards all three across the world size, DDP
@@ -84,15 +141,22 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     shard = world_size if parallelism == "fsdp" else 1
     act_bytes = 4 if precision == "fp32" else 2
     per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled)
+    math_attention = cuda and attention_kernel(cfg, precision) == "math"
+    if math_attention:
+        per_layer += math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len)
     if activation_checkpointing:
         # Only each block's fp32 input is kept; one block's activations are rebuilt at a time in backward.
         per_token = cfg.num_hidden_layers * 4 * cfg.hidden_size + per_layer
     else:
         per_token = cfg.num_hidden_layers * per_layer
-    per_token += loss_bytes_per_token(cfg, act_bytes)
+    per_token += loss_bytes_per_token(cfg, act_bytes, compiled)
+    per_sequence = per_token * seq_len
+    if math_attention:  # the scores' gradient and the probabilities' gradient in one layer's backward
+        per_sequence += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
-    return states_only(count_params(cfg).total, shard, activations_per_sequence=per_token * seq_len,
-                       muon_params=muon_params)
+    states = states_only(count_params(cfg).total, shard, activations_per_sequence=per_sequence,
+                         muon_params=muon_params)
+    return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes))
 
 
 def hidden_matrix_params(cfg: ModelConfig) -> int:

@@ -34,22 +34,19 @@ Building on the "meta" device (`with torch.device("meta"): Transformer(cfg)`) al
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
+from nanopt.model.loss_chunks import loss_chunk_rows
 
 IGNORE_INDEX = -100
-
-# The loss never holds the whole [B*T, vocab] logits in fp32: it works through row chunks whose fp32 logits take
-# at most this many bytes, and forms each chunk's gradients in the same pass instead of keeping the logits.
-LOSS_CHUNK_BYTES = 512 << 20  # vocab 128256: ~1000 rows a chunk, still large enough to keep the GPU busy
-MAX_LOSS_CHUNK_ROWS = 8192
-MIN_LOSS_CHUNK_ROWS = 256
 
 
 class KVCache:
@@ -121,10 +118,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+# cuDNN first, then SDPA's usual order: SDPA takes the first backend that accepts the inputs, so a shape cuDNN
+# rejects (grouped-query attention on some builds) still gets flash.
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cudnn_attention_by_default(device: torch.device) -> bool:
+    """Whether training attention prefers cuDNN's SDPA kernel on this device: on Hopper (sm90), where it is reported
+    well ahead of the bundled FlashAttention-2, when this torch can reorder SDPA's backends."""
+    return device.type == "cuda" and _sdpa_takes_priority() and _is_hopper(device.index)
+
+
+# Properties of the installed torch and the machine: torch.compile takes their results as constants.
+@torch.compiler.assume_constant_result
+def _sdpa_takes_priority() -> bool:
+    import inspect
+
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+@torch.compiler.assume_constant_result
+def _is_hopper(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # Prefer cuDNN attention in training: None decides by the device (cudnn_attention_by_default); True/False
+        # force it either way, e.g. to compare both on one GPU (Transformer.prefer_cudnn_attention).
+        self.prefer_cudnn: bool | None = None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -161,6 +185,11 @@ class Attention(nn.Module):
         gqa = self.num_kv_heads != self.num_heads
         seq_new = q.shape[2]
         if offset == 0:
+            prefer_cudnn = self.prefer_cudnn if self.prefer_cudnn is not None else cudnn_attention_by_default(q.device)
+            if prefer_cudnn and _sdpa_takes_priority():  # older torch: SDPA's own order
+                with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                          enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         if seq_new == 1:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
@@ -221,7 +250,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.loss_chunk_rows = _loss_chunk_rows(cfg.vocab_size)
+        # Rows per loss chunk; None sizes them per micro-batch (nanopt.model.loss_chunks). Tests set a small number
+        # to exercise chunking on tiny shapes.
+        self.loss_chunk_rows: int | None = None
         self.init_weights()
 
     @torch.no_grad()
@@ -248,6 +279,11 @@ class Transformer(nn.Module):
         build gives each its own tensor, so init_weights re-ties first."""
         if self.cfg.tie_word_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def prefer_cudnn_attention(self, prefer: bool | None) -> None:
+        """Prefer (True) or not (False) cuDNN's attention kernel in training; None: by the device (Hopper only)."""
+        for layer in self.layers:
+            layer.attn.prefer_cudnn = prefer
 
     def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:
@@ -291,11 +327,6 @@ class Transformer(nn.Module):
                              f"batch {batch} x {start + seq} positions")
 
 
-def _loss_chunk_rows(vocab_size: int) -> int:
-    rows = LOSS_CHUNK_BYTES // (4 * vocab_size)
-    return max(MIN_LOSS_CHUNK_ROWS, min(MAX_LOSS_CHUNK_ROWS, rows))
-
-
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     logits = F.linear(hidden, weight)  # in the autocast dtype when autocast is on
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -305,9 +336,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropy of `hidden @ weight.T`, with both gradients computed chunk by chunk in forward.
 
     For each chunk of rows the fp32 logits live only long enough to give the loss and their gradient
-    (softmax - one_hot), which is immediately multiplied into d(hidden) and accumulated into d(weight). Backward
-    only scales what forward stored: no [rows, vocab] tensor is kept and nothing is recomputed, so the FLOPs equal
-    those of a plain full-logits loss while memory holds one chunk of logits.
+    (softmax - one_hot), which is immediately multiplied into d(hidden) and accumulated into the fp32 d(weight).
+    Backward only scales what forward stored: no [rows, vocab] tensor is kept and nothing is recomputed, so the
+    FLOPs equal those of a plain full-logits loss while memory holds one chunk of logits.
     """
 
     @staticmethod
@@ -323,16 +354,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits.t() @ hidden[rows]).float()
+                accumulate_head_grad(grad_weight, grad_logits.t(), hidden[rows])
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total: Tensor):
+        # The stored gradients are scaled in place: a second [V, C] fp32 head gradient at the loss's backward, when
+        # every activation is still alive, would be the step's memory peak. So they serve one backward only.
+        if getattr(ctx, "spent", False):
+            raise RuntimeError("chunked cross-entropy: backward through the same loss twice (retain_graph) is not "
+                               "supported; compute the loss again")
+        ctx.spent = True
         grad_hidden, grad_weight = ctx.saved_tensors
-        d_hidden = grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None
-        d_weight = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
+        d_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None
+        d_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
         return d_hidden, d_weight, None, None
 
 
@@ -344,10 +381,51 @@ def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor) -> tup
     log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
     target_logits = logits.gather(1, safe_targets)
     loss = ((log_normalizer - target_logits).squeeze(1) * valid).sum()
-    probabilities = logits.sub_(log_normalizer).exp_()  # reuses the logits' memory
+    if torch.compiler.is_compiling():
+        # One pure pointwise expression: Inductor fuses exp, the one-hot subtraction, the mask and the cast into a
+        # single pass that reads the logits once and writes the matmul-dtype gradient (no fp32 buffer).
+        is_target = torch.arange(logits.shape[1], device=logits.device) == safe_targets
+        probabilities = (logits - log_normalizer).exp()
+        grad = torch.where(is_target, probabilities - 1.0, probabilities) * valid.unsqueeze(1)
+        return loss, grad.to(hidden.dtype)
+    # Eager runs op by op: in place on the logits' memory, so one fp32 chunk buffer is live, and the one-hot
+    # subtraction touches one element per row.
+    probabilities = logits.sub_(log_normalizer).exp_()
     probabilities.scatter_add_(1, safe_targets, -torch.ones_like(target_logits))
     probabilities.mul_(valid.unsqueeze(1))
     return loss, probabilities.to(hidden.dtype)
+
+
+@torch.library.custom_op("nanopt::accumulate_head_grad", mutates_args=("accumulator",))
+def accumulate_head_grad(accumulator: Tensor, grad_logits_t: Tensor, hidden: Tensor) -> None:
+    """accumulator (fp32 [V, C]) += grad_logits_t [V, rows] @ hidden [rows, C], in place.
+
+    An opaque in-place op on purpose: traced as plain tensor code, torch.compile turns the per-chunk `+=` into a
+    chain of out-of-place adds that Inductor fuses into one kernel at the end, which keeps every chunk's [V, C]
+    product alive at once. Here each product is added as soon as it exists: inside the GEMM (beta = 1) for fp32
+    operands, and for bf16/fp16 on CUDA where torch's addmm takes out_dtype=float32; else through one product.
+    """
+    if grad_logits_t.dtype == torch.float32:
+        accumulator.addmm_(grad_logits_t, hidden)
+    elif accumulator.is_cuda and _addmm_accumulates_in_fp32(accumulator.device, grad_logits_t.dtype):
+        torch.addmm(accumulator, grad_logits_t, hidden, out_dtype=torch.float32, out=accumulator)
+    else:
+        accumulator.add_(grad_logits_t @ hidden)
+
+
+@functools.cache
+def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch and device run addmm(fp32 C, A, B, out_dtype=float32, out=C) with `dtype` A and B (newer
+    torch, CUDA): tried once on a tiny problem, so an older build or an unsupported device keeps the plain path."""
+    if "dtype_out" not in torch.ops.aten.addmm.overloads():
+        return False
+    accumulator = torch.ones(16, 16, device=device)
+    operand = torch.ones(16, 16, device=device, dtype=dtype)
+    try:
+        torch.addmm(accumulator, operand, operand, out_dtype=torch.float32, out=accumulator)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((accumulator == 17).all())
 
 
 def _compute_dtype(tensor: Tensor) -> torch.dtype:
@@ -355,21 +433,26 @@ def _compute_dtype(tensor: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
-def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int) -> Tensor:
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int | None = None) -> Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against targets, equal to F.cross_entropy on the full logits.
 
-    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Works through chunks of `chunk_rows` rows, so
-    peak memory holds one chunk of fp32 logits instead of N x V; with autograd the gradients are formed in the
-    same pass (see _LinearCrossEntropy). Under autocast the matmuls run in the autocast dtype and the softmax
+    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Works through chunks of `chunk_rows` rows (default:
+    nanopt.model.loss_chunks.loss_chunk_rows), so peak memory holds one chunk of fp32 logits instead of N x V; with
+    autograd the gradients are formed in the same pass (see _LinearCrossEntropy). One chunk (small logits) is the
+    plain full-logits loss, left to autograd. Under autocast the matmuls run in the autocast dtype and the softmax
     in fp32. The loop bounds are shapes, so torch.compile sees static control flow.
     """
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    rows = hidden.shape[0]
+    if chunk_rows is None:
+        chunk_rows = loss_chunk_rows(rows, weight.shape[0])
+    differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if differentiable and chunk_rows < rows:
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows)
-    else:  # evaluation: nothing to differentiate
+    else:  # evaluation, or logits small enough to keep whole: autograd differentiates F.cross_entropy
         total = hidden.new_zeros((), dtype=torch.float32)
-        for begin in range(0, hidden.shape[0], chunk_rows):
+        for begin in range(0, rows, chunk_rows):
             end = begin + chunk_rows
             total = total + _chunk_loss_sum(hidden[begin:end], weight, targets[begin:end])
     # All targets ignored gives 0 / 0 = nan, exactly as F.cross_entropy's mean does.

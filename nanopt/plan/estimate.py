@@ -161,7 +161,17 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     report.update(_batch_section(run, opts))
     report["fit"] = _fit(run, opts.num_gpus, target, precision, report["params"])
     report["parallelism"] = _parallelism(run, target, precision, opts.num_gpus)
+    report["attention"] = _attention(run, target, precision)
     return report
+
+
+def _attention(run: RunConfig | None, target: Target, precision: str) -> dict[str, Any] | None:
+    """The SDPA kernel a CUDA training step gets, and a warning when it is the slow, memory-hungry math fallback
+    (the memory model counts its scores). None without a run or on a CPU, where SDPA's flash kernel takes all."""
+    if run is None or target.is_cpu:
+        return None
+    return {"kernel": memory_model.attention_kernel(run.model, precision),
+            "warning": memory_model.attention_fallback_warning(run.model, precision)}
 
 
 def _throughput_source(run: RunConfig | None,
@@ -285,7 +295,8 @@ def _run_memory(run: RunConfig, target: Target, precision: str, world_size: int,
         run.model, run.seq_len, precision=precision, compiled=_compiled(run, target),
         activation_checkpointing=(run.train.activation_checkpointing if activation_checkpointing is None
                                   else activation_checkpointing),
-        parallelism=parallelism or run.train.parallelism, world_size=world_size, optimizer=run.train.optimizer)
+        parallelism=parallelism or run.train.parallelism, world_size=world_size, optimizer=run.train.optimizer,
+        cuda=not target.is_cpu)
 
 
 def _memory_section(run: RunConfig | None, opts: EstimateOptions, target: Target, precision: str,
