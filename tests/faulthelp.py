@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clihelp import REPO
-from trainhelp import make_run
+from trainhelp import device_env, make_run, world_size_of
 
 HANG_GUARD_S = 120  # only against a hung test; no assertion is about time
 TINY_MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -137,13 +137,17 @@ class Launcher:
     def _next(self, timeout: float = HANG_GUARD_S) -> dict:
         return self.lines.get(timeout=timeout)
 
-    def start(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None) -> Child:
-        """Fork `nanopt ARGV`; `env` adds to (or overrides) the launcher's environment for this command only."""
+    def start(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None,
+              gpu: bool = False) -> Child:
+        """Fork `nanopt ARGV`; `env` adds to (or overrides) the launcher's environment for this command only.
+        The command sees no GPU (CPU numbers, as the tests expect) unless `gpu` asks for one and the host has a GPU
+        per rank (trainhelp.device_env); the launcher never initializes CUDA, so the forked command decides."""
         self._end_leftover()
         self.count += 1
         child = Child(0, self.logs / f"{self.count}.out", self.logs / f"{self.count}.err")
-        request = {"argv": [str(a) for a in argv], "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize,
-                   "env": env}
+        args = [str(a) for a in argv]
+        request = {"argv": args, "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize,
+                   "env": {**device_env(world_size_of(args), gpu), **(env or {})}}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         child.pid = self._next()["pid"]
@@ -181,13 +185,14 @@ class Launcher:
                                      f"{child.stderr[-3000:]}") from None
         return child.status
 
-    def run(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None) -> Child:
-        child = self.start(*argv, fsize=fsize, env=env)
+    def run(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None,
+            gpu: bool = False) -> Child:
+        child = self.start(*argv, fsize=fsize, env=env, gpu=gpu)
         self.wait(child)
         return child
 
-    def train(self, run: Path, *args: str, env: dict[str, str] | None = None) -> Child:
-        child = self.run("train", run, "--no-live", *args, env=env)
+    def train(self, run: Path, *args: str, env: dict[str, str] | None = None, gpu: bool = False) -> Child:
+        child = self.run("train", run, "--no-live", *args, env=env, gpu=gpu)
         assert child.status == 0, child.stderr[-3000:]
         return child
 

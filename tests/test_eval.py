@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from clihelp import assert_user_error
 from distributed import run_ranks
 from faulthelp import Launcher
-from trainhelp import make_run
+from trainhelp import HIDE_CUDA, make_run
 
 from nanopt.evaluate.compare import ranked
 from nanopt.evaluate.report import training_seconds
@@ -114,7 +114,7 @@ def test_an_older_checkpoint_and_two_ranks(runs, tiny_dataset: Path, cli):
     older = in_process_json(cli, run, "--checkpoint", "step-000006", "--tokens", "2048", "--no-samples")
     assert older["step"] == 6
     assert abs(older["test_loss"] - direct_test_loss(run, tiny_dataset, "step-000006", 2048)) < 1e-5
-    two_ranks, rank1 = run_ranks(evaluate_in_rank, run, "step-000006", 2048)
+    two_ranks, rank1 = run_ranks(evaluate_in_rank, run, "step-000006", 2048, env=HIDE_CUDA)
     assert two_ranks["world_size"] == 2 and two_ranks["tokens"] == 2048
     assert two_ranks["test_loss"] == pytest.approx(older["test_loss"], abs=1e-6)
     assert rank1["test_loss"] == two_ranks["test_loss"]  # the loss is reduced over the ranks: both hold it

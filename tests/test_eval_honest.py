@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from clihelp import assert_user_error
 from distributed import run_ranks
 from faulthelp import TINY_MODEL, Launcher, tiny_run
+from trainhelp import HIDE_CUDA
 
 from nanopt.data.dataset import TokenDataset
 from nanopt.data.loader import eval_batches
@@ -165,7 +166,7 @@ def evaluate_on_ranks(run: Path, cases: list[tuple[int | None, int]]) -> list[di
 def test_the_same_loss_on_one_and_two_ranks_and_any_micro_batch(run: Path, tiny_dataset: Path, cli_in_process):
     split_tokens = len(split_stream(tiny_dataset))
     cases = [("all", None, split_tokens - 1), (str(UNEVEN_TOKENS), UNEVEN_TOKENS, UNEVEN_TOKENS)]
-    rank0, rank1 = run_ranks(evaluate_on_ranks, run, [(tokens, 4) for _, tokens, _ in cases])
+    rank0, rank1 = run_ranks(evaluate_on_ranks, run, [(tokens, 4) for _, tokens, _ in cases], env=HIDE_CUDA)
     for (option, _, scored), two_ranks, other_rank in zip(cases, rank0, rank1, strict=True):
         one_rank = {micro: eval_json(cli_in_process, run, "--tokens", option, "--micro-batch-size", micro)
                     for micro in (3, 4)}
@@ -190,7 +191,7 @@ def test_in_loop_validation_with_a_rank_short_of_a_batch_finishes_under_fsdp(tin
     # batch of padding alone, as each FSDP forward pass gathers the weights from both ranks.
     path = tiny_run(tmp_path, tiny_dataset, "fsdp", parallelism="fsdp", max_steps=2, eval_interval=2, eval_tokens=80,
                     checkpoint_interval=2)
-    rank0, rank1 = run_ranks(train_in_rank, path)
+    rank0, rank1 = run_ranks(train_in_rank, path, env=HIDE_CUDA)
     assert rank0["completed"] and rank0["final_val_loss"] == rank1["final_val_loss"]
     [record] = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
                 if json.loads(line)["kind"] == "eval"]

@@ -1,9 +1,10 @@
 """`nanopt find-batch`: the search over sizes, ranks agreeing through a real gloo all-reduce, CPU memory bounds
 on a run whose activations grow with the micro-batch, and --write.
 
-Single-process commands run in this process (`cli_in_process`; each trial still gets a process of its own). The
-two-rank search goes through `--nproc-per-node 2` on purpose: it is the one command whose options (--start, --max)
-torchrun's own parser would take for its own if the launcher passed them on wrongly.
+Single-process commands run in this process (`cli_on_cpu`: through the launcher, CUDA hidden, on a GPU host; each
+trial still gets a process of its own unless --isolation in-process). The two-rank search goes through
+`--nproc-per-node 2` on purpose: it is the one command whose options (--start, --max) torchrun's own parser would
+take for its own if the launcher passed them on wrongly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 from clihelp import assert_user_error
 from distributed import run_ranks
-from faulthelp import Launcher
+from faulthelp import Launcher, tiny_run
 from trainhelp import make_run
 
 from nanopt.plan.find_batch.search import agree, search
@@ -108,20 +109,29 @@ def find_batch_json(cli, run: Path, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+@pytest.fixture
+def cli_on_cpu(request: pytest.FixtureRequest):
+    """`nanopt find-batch` on the CPU: in this process where there is no GPU; on a CUDA host through the warm
+    launcher, whose commands see no GPU (this process cannot hide CUDA once torch has looked for it)."""
+    if torch.cuda.is_available():
+        return request.getfixturevalue("launcher").run
+    return request.getfixturevalue("cli_in_process")
+
+
+def test_cpu_without_a_bound_is_a_user_error(tmp_path: Path, tiny_dataset: Path, cli_on_cpu):
     run = make_run(tmp_path, tiny_dataset)
-    assert_user_error(cli_in_process("find-batch", run), "on the CPU", "--max-memory")
+    assert_user_error(cli_on_cpu("find-batch", run), "on the CPU", "--max-memory")
 
 
 @pytest.mark.slow
 def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_path: Path, tiny_dataset: Path,
-                                                                           cli_in_process,
+                                                                           cli_on_cpu,
                                                                            capsys: pytest.CaptureFixture,
                                                                            monkeypatch: pytest.MonkeyPatch):
     run = make_run(tmp_path, tiny_dataset, model=GROWING_MODEL, micro_batch_size=2, global_batch_tokens=16 * 256)
     before = json.loads((run / "train.json").read_text())
 
-    roomy = find_batch_json(cli_in_process, run, "--max-memory", "4GiB", "--start", "4", "--max", "8")
+    roomy = find_batch_json(cli_on_cpu, run, "--max-memory", "4GiB", "--start", "4", "--max", "8")
     assert roomy["max_micro_batch"] == 8 and roomy["max_micro_batch_capped"]
     assert roomy["search_order"] == [4, 8]
     peaks = {t["micro_batch_size"]: t["peak_memory_bytes"] for t in roomy["trials"]}
@@ -131,7 +141,7 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
 
     # A bound between the peaks of 4 and 8 sequences: 4 must fit, 8 must not.
     bound = (peaks[4] + peaks[8]) // 2
-    tight = find_batch_json(cli_in_process, run, "--max-memory", str(bound), "--start", "4", "--max", "8", "--write")
+    tight = find_batch_json(cli_on_cpu, run, "--max-memory", str(bound), "--start", "4", "--max", "8", "--write")
     assert 4 <= tight["max_micro_batch"] < roomy["max_micro_batch"]
     assert not tight["max_micro_batch_capped"]
     by_size = {t["micro_batch_size"]: t for t in tight["trials"]}
@@ -181,10 +191,102 @@ def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_memory_cap_finds_a_smaller_batch(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
+    """bf16 with compile, as a GPU run is by default: a fresh process per trial."""
     run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
-                   micro_batch_size=2, global_batch_tokens=16 * 256)
-    large = find_batch_json(launcher.run, run, "--gpu-memory", "6GiB", "--max", "256")
-    small = find_batch_json(launcher.run, run, "--gpu-memory", "3GiB", "--max", "256")
+                   micro_batch_size=2, global_batch_tokens=16 * 256, precision="auto", compile="auto")
+    large = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "6GiB", "--max", "256")
+    small = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "3GiB", "--max", "256")
+    assert large["isolation"] == small["isolation"] == "process" and large["compiled"]
     assert 0 < small["max_micro_batch"] < large["max_micro_batch"]
     assert any(t["reason"] in ("OOM", "over limit") for t in small["trials"])
     assert small["calibration"]["peak_error"] is not None
+    assert small["predicted_micro_batch"] is not None and small["search_start_source"] == "memory model"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_search_in_process_goes_on_after_a_real_oom(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
+    """Eager bf16 on one GPU: every trial in the command's own process. 512 sequences of this model need several
+    GiB, so under a 3 GiB cap the first trial raises a real CUDA OOM; its memory is freed and the search goes on
+    in the same process to the largest size that fits."""
+    run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
+                   micro_batch_size=2, global_batch_tokens=16 * 256, precision="auto", compile=False)
+    report = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "3GiB", "--start", "512", "--max", "1024")
+    assert report["isolation"] == "in-process" and report["device"] == "cuda" and not report["compiled"]
+    by_size = {t["micro_batch_size"]: t for t in report["trials"]}
+    assert by_size[512]["reason"] == "OOM"
+    # Had the OOM's memory stayed behind, every later size would fail too: sizes after it fit, in the same process.
+    assert 0 < report["micro_batch"] < 512 and report["search_complete"]
+    assert report["search_order"][0] == 512 and by_size[report["micro_batch"]]["tokens_per_s"] > 0
+
+
+def gpu_cli(launcher: Launcher):
+    """The launcher's commands with the GPU visible (they see none by default: tests/trainhelp.device_env)."""
+    return lambda *argv: launcher.run(*argv, gpu=True)
+
+
+# ----------------------------------------------------------------------- from the memory model's prediction
+
+
+def test_search_from_a_prediction_steps_by_a_small_factor_either_way():
+    # The prediction is a little low: up by 25% until a size fails, then bisect.
+    found, tried = search(lambda size: size <= 45, 40, 1024, growth=1.25)
+    assert found == 45 and tried[:2] == [40, 50]
+    # A little high: down by 25% until a size fits, then bisect.
+    found, tried = search(lambda size: size <= 37, 40, 1024, growth=1.25)
+    assert found == 37 and tried[:2] == [40, 32]
+    # Either way fewer trials than doubling from 1 (12, see test_search_doubles_then_bisects).
+    assert len(tried) <= 6
+
+
+def test_search_stops_after_max_trials_with_the_largest_size_that_fit():
+    found, tried = search(lambda size: size <= 37, 1, 1024, max_trials=5)
+    assert (found, tried) == (16, [1, 2, 4, 8, 16])
+    found, tried = search(lambda size: False, 8, 1024, max_trials=2)
+    assert (found, tried) == (0, [8, 4])
+
+
+@pytest.mark.parametrize(("isolation", "cuda", "compiled", "in_process"), [
+    ("auto", True, False, True),  # an OOM is caught and the memory freed: no fresh CUDA context per trial
+    ("auto", True, True, False),  # compile: a fresh process per trial, as before
+    ("auto", False, False, False),  # the CPU: the parent watches and kills a trial past --max-memory
+    ("process", True, False, False),
+    ("in-process", False, True, True),
+])
+def test_trials_run_in_process_only_where_that_is_safe(isolation: str, cuda: bool, compiled: bool,
+                                                       in_process: bool):
+    from nanopt.plan.find_batch.search import trials_in_process
+
+    assert trials_in_process(isolation, cuda=cuda, compiled=compiled) is in_process
+
+
+def test_the_search_starts_at_the_memory_models_prediction(tmp_path: Path, tiny_dataset: Path, cli_on_cpu):
+    run = tiny_run(tmp_path, tiny_dataset, "run")
+    report = find_batch_json(cli_on_cpu, run, "--max-memory", "4GiB", "--max", "3")
+    # 4 GiB holds thousands of sequences of this model: the search starts at --max, one trial instead of 1, 2, 3.
+    assert report["predicted_micro_batch"] >= 3
+    assert report["search_order"] == [3] and report["micro_batch"] == report["max_micro_batch"] == 3
+    assert report["search_complete"] and report["seconds"] > 0
+    assert report["isolation"] == "process"
+
+
+def test_in_process_trials_are_judged_by_their_own_peak_and_bounded_in_number(tmp_path: Path, tiny_dataset: Path,
+                                                                             cli_on_cpu):
+    run = tiny_run(tmp_path, tiny_dataset, "run")
+    roomy = find_batch_json(cli_on_cpu, run, "--isolation", "in-process", "--max-memory", "64GiB", "--start", "1",
+                            "--max", "8", "--max-trials", "2")
+    assert roomy["isolation"] == "in-process" and roomy["search_order"] == [1, 2]
+    assert roomy["micro_batch"] == 2 and not roomy["search_complete"]  # stopped by --max-trials, not by a failure
+    assert all(t["fits"] and t["peak_memory_bytes"] > 0 and t["tokens_per_s"] > 0 for t in roomy["trials"])
+    # This process alone holds more than 64 MiB: every size is over the bound, measured in this process.
+    tight = find_batch_json(cli_on_cpu, run, "--isolation", "in-process", "--max-memory", "64MiB", "--start", "2",
+                            "--max", "2")
+    assert tight["micro_batch"] == 0 and tight["search_order"] == [2, 1]
+    assert [t["reason"] for t in tight["trials"]] == ["over limit", "over limit"]
+    assert all(t["peak_memory_bytes"] > 64 * 2**20 for t in tight["trials"])
+
+
+def test_search_from_a_prediction_far_off_speeds_up_to_doubling():
+    # The memory model 100x too optimistic: steps of 1.25x, 1.56x, 1.95x, then 2x, not 20 steps of 1.25x.
+    found, tried = search(lambda size: size <= 10, 1000, 1024, growth=1.25)
+    assert found == 10 and len(tried) <= 12, tried

@@ -26,7 +26,7 @@ import pytest
 from clihelp import REPO, assert_user_error
 from distributed import free_port, run_ranks
 from faulthelp import HANG_GUARD_S, Child, Launcher, tiny_run, tree_digest
-from trainhelp import final_weights_hash, losses
+from trainhelp import HIDE_CUDA, final_weights_hash, losses
 
 from nanopt.rundir import RunDir
 from nanopt.train.lock import RunLock
@@ -46,7 +46,8 @@ def train_in_rank(run: Path) -> dict[str, Any]:
 
 
 def start_train(run: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    # CPU ranks with gloo, as the launcher's commands: a 1-GPU host has no cuda:1 for a node's second rank.
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1", **HIDE_CUDA}
     return subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", *args], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -76,7 +77,7 @@ def test_two_nodes_of_two_ranks_train_as_one_node_of_four(tmp_path: Path, tiny_d
     # Node 0 forked from the warm launcher, node 1 a cold process: two launchers, as on two machines.
     node0 = launcher.start("train", nodes, "--no-live", *node_options, "--node-rank", "0")
     node1 = start_train(nodes, *node_options, "--node-rank", "1")
-    run_ranks(train_in_rank, one_node, world_size=4)
+    run_ranks(train_in_rank, one_node, world_size=4, env=HIDE_CUDA)
     err1 = finish(node1)
     launcher.wait(node0)
     assert (node0.status, node1.returncode) == (0, 0), node0.stderr[-2000:] + err1[-2000:]
@@ -138,7 +139,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(tmp_path: Pa
     victim = next(w for w in workers_of(job, launcher, nproc) if w.environ()["RANK"] == str(last))
     wait_for_checkpoint(elastic, lambda: not launcher.finished(job))
     victim.send_signal(signal.SIGKILL)  # the out-of-memory killer, say
-    run_ranks(train_in_rank, straight, world_size=nproc)  # the uninterrupted run, while the restarted ranks train
+    # The uninterrupted run, while the restarted ranks train.
+    run_ranks(train_in_rank, straight, world_size=nproc, env=HIDE_CUDA)
     assert launcher.wait(job) == 0, job.stderr[-3000:]
     assert f"restart 1 of 1 after rank {last} (pid {victim.pid}) was killed by SIGKILL" in job.stderr, job.stderr
     assert "Traceback" not in job.stderr and "error:" not in job.stderr

@@ -17,7 +17,7 @@ from clihelp import assert_user_error
 from distributed import run_ranks
 from faulthelp import tiny_run, tree_digest
 from torch.distributed.tensor import Shard
-from trainhelp import final_weights_hash, losses
+from trainhelp import HIDE_CUDA, final_weights_hash, losses
 
 from nanopt.config import load_run
 from nanopt.errors import ConfigError
@@ -95,8 +95,8 @@ def test_two_ddp_or_fsdp_ranks_train_like_one_process_and_fsdp_resumes(tmp_path:
     for parallelism in ("ddp", "fsdp"):
         two = tiny_run(tmp_path, tiny_dataset, parallelism, **SHORT, parallelism=parallelism)
         # FSDP: stopped after step 3 (a session's last step checkpoints), then resumed to 6.
-        sessions = [run_ranks(train_in_rank, two, {"max_steps": 3})[0]] if parallelism == "fsdp" else []
-        sessions.append(run_ranks(train_in_rank, two, {})[0])
+        sessions = [run_ranks(train_in_rank, two, {"max_steps": 3}, env=HIDE_CUDA)[0]] if parallelism == "fsdp" else []
+        sessions.append(run_ranks(train_in_rank, two, {}, env=HIDE_CUDA)[0])
         assert [s["steps"] for s in sessions] == ([3, 6] if parallelism == "fsdp" else [6])
         assert sum(s["tokens_this_session"] for s in sessions) == sessions[-1]["tokens"]  # no step trained twice
         got = losses(two)
@@ -176,7 +176,7 @@ def test_fsdp_muon_orthogonalizes_whole_matrices_and_its_state_dict_round_trips(
     run = tiny_run(tmp_path, tiny_dataset, "run", **MUON, parallelism="fsdp", precision="fp32")
     model = json.loads((run / "model.json").read_text())
     (run / "model.json").write_text(json.dumps({**model, "intermediate_size": 33}))
-    rank0, rank1 = run_ranks(muon_state_round_trip_in_rank, run)
+    rank0, rank1 = run_ranks(muon_state_round_trip_in_rank, run, env=HIDE_CUDA)
     matrices = _hidden_matrices(Transformer(load_run(run).model))
     for result in (rank0, rank1):
         # One process's maths on each whole matrix; only fp32 rounding of the weights' update may differ.

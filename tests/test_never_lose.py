@@ -17,7 +17,7 @@ import pytest
 import torch
 from faulthelp import Launcher, tiny_run, tree_digest
 from test_checkpoint import full_meta
-from trainhelp import losses, make_run
+from trainhelp import HIDE_CUDA, losses, make_run
 
 from nanopt.train import checkpoint as ckpt
 
@@ -250,7 +250,8 @@ def test_an_error_only_one_node_meets_is_printed_with_its_rank(tmp_path: Path, t
                 "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
 
     node0 = launcher.start(*node_argv(0), env=env)
-    node1 = subprocess.Popen([sys.executable, "-m", "nanopt", *node_argv(1)], cwd=REPO, env={**os.environ, **env},
+    node1 = subprocess.Popen([sys.executable, "-m", "nanopt", *node_argv(1)], cwd=REPO,
+                             env={**os.environ, **HIDE_CUDA, **env},  # CPU ranks, as the launcher's node 0
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err1 = node1.communicate(timeout=180)
     launcher.wait(node0, timeout=180)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from clihelp import run_cli
-from trainhelp import make_run
+from trainhelp import HIDE_CUDA, make_run
 
 from nanopt.plan.profile import CATEGORIES, DATA_WAIT_LABEL, categorize
 
@@ -25,7 +25,8 @@ def profiled(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> tu
     """One real `nanopt profile --json` of a tiny run with gradient accumulation 2."""
     run = make_run(tmp_path_factory.mktemp("profile"), tiny_dataset, micro_batch_size=2,
                    global_batch_tokens=2 * 32 * 2)
-    result = run_cli("profile", run, "--json", "--wait", "1", "--warmup", "1", "--steps", "2", timeout=180)
+    result = run_cli("profile", run, "--json", "--wait", "1", "--warmup", "1", "--steps", "2", timeout=180,
+                     env=HIDE_CUDA)  # the CPU profile this module checks, on a GPU host too
     assert result.returncode == 0, result.stderr[-3000:]
     return run, json.loads(result.stdout)
 
@@ -183,7 +184,9 @@ def test_categories_of_real_operator_and_kernel_names(name: str, category: str):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_profile_with_compile(tmp_path: Path, tiny_dataset: Path):
-    run = make_run(tmp_path, tiny_dataset, micro_batch_size=4, global_batch_tokens=4 * 32, compile=True)
+    # bf16 with compile, as a GPU run is by default (make_run's own runs are fp32 for CPU numbers).
+    run = make_run(tmp_path, tiny_dataset, micro_batch_size=4, global_batch_tokens=4 * 32, compile=True,
+                   precision="auto")
     result = run_cli("profile", run, "--json", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     s = json.loads(result.stdout)

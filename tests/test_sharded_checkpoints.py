@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from clihelp import REPO, run_cli
 from faulthelp import TINY_MODEL, Launcher
-from trainhelp import losses, make_run
+from trainhelp import HIDE_CUDA, losses, make_run
 
 from nanopt.errors import CheckpointError
 from nanopt.train import checkpoint as ckpt
@@ -56,7 +56,7 @@ def train(launcher: Launcher, run: Path, ranks: int, max_steps: int, log: Path |
         log.mkdir(exist_ok=True)
         env = {"PYTHONPATH": os.pathsep.join([str(log.parent / "site"), str(REPO)]), "SAMPLE_LOG": str(log)}
     if ranks == 1 and log is not None:
-        result = run_cli("train", run, *options, env=env, timeout=240)
+        result = run_cli("train", run, *options, env={**HIDE_CUDA, **env}, timeout=240)  # CPU numbers, as the ranks
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stderr
     return launcher.train(run, *options[1:], env=env).stderr

@@ -4,11 +4,43 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+HIDE_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # set in a child before it touches CUDA: it sees no GPU, as on a CPU host
+
+
+def visible_gpus() -> int:
+    """GPUs a child of this process may see (NVML's count: CUDA is not initialized here)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def device_env(world_size: int = 1, gpu: bool = False, gpus: int | None = None) -> dict[str, str]:
+    """The environment a test's command (or its `world_size` ranks) runs under: CUDA hidden, so the numbers are
+    the CPU's, unless the test asks for the GPU (`gpu`) and the host has one per rank. On a 1-GPU host two ranks
+    would ask for cuda:0 and cuda:1; hidden, they run on the CPU with gloo as on a machine without a GPU.
+    `gpus`: the GPUs visible (default: this host's)."""
+    if gpu and world_size <= (visible_gpus() if gpus is None else gpus):
+        return {}
+    return dict(HIDE_CUDA)
+
+
+def world_size_of(argv: Sequence[str]) -> int:
+    """The ranks a `nanopt` command starts on this host: its --nproc-per-node, else 1."""
+    for i, arg in enumerate(argv):
+        if arg == "--nproc-per-node" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--nproc-per-node="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
 
 def make_run(root: Path, dataset: Path, name: str = "run", model: dict | None = None, **train: Any) -> Path:
+    """A tiny run directory. fp32 and no compile unless a test says otherwise: "auto" would mean bf16 and
+    torch.compile wherever a test process sees a GPU, and these runs stand for CPU numbers."""
     vocab = json.loads((dataset / "meta.json").read_text())["vocab_size"]
     run = root / name
     run.mkdir(parents=True)
@@ -17,7 +49,8 @@ def make_run(root: Path, dataset: Path, name: str = "run", model: dict | None = 
                  "max_position_embeddings": 32, **(model or {})}
     train_cfg = {"data": str(dataset), "micro_batch_size": 4, "global_batch_tokens": 4 * 32 * 2, "max_steps": 20,
                  "learning_rate": 3e-3, "warmup_steps": 3, "eval_interval": 5, "eval_tokens": 1024,
-                 "checkpoint_interval": 10, "keep_checkpoints": 5, "log_interval": 1, "seed": 7, **train}
+                 "checkpoint_interval": 10, "keep_checkpoints": 5, "log_interval": 1, "seed": 7,
+                 "precision": "fp32", "compile": False, **train}
     (run / "model.json").write_text(json.dumps(model_cfg))
     (run / "train.json").write_text(json.dumps(train_cfg))
     return run

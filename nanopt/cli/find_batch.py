@@ -12,6 +12,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.launch import launch_if_asked
+from nanopt.plan.find_batch.search import DEFAULT_MAX_TRIALS
 from nanopt.runtime import ranks
 
 EPILOG = """
@@ -27,6 +28,8 @@ Examples:
 
   nanopt find-batch runs/gpt2-small --write                   # then set train.json's micro_batch_size
 
+  nanopt find-batch runs/gpt2-small --max-trials 6            # a quicker answer: the largest that fit in 6 trials
+
   nanopt find-batch runs/gpt2-small --set activation_checkpointing=true --json
 """
 
@@ -34,7 +37,9 @@ Examples:
 @app.command("find-batch", epilog=EPILOG)
 def find_batch_command(
     run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    start: int = typer.Option(1, "--start", help="First micro-batch to try; the search doubles from it."),
+    start: int | None = typer.Option(None, "--start", help="First micro-batch to try; the search doubles from "
+                                     "it. Default: the memory model's prediction for this device, in steps of 25% "
+                                     "at first."),
     maximum: int = typer.Option(1024, "--max", help="Largest micro-batch to try."),
     steps: int = typer.Option(3, "--steps", help="Optimizer steps per trial (>= 3: the optimizer state "
                                                  "appears after the first; the rest are timed)."),
@@ -52,13 +57,18 @@ def find_batch_command(
     pick: str = typer.Option("best", "--pick", help="What --write writes: best (the fastest size that fits) or "
                                                     "max (the largest that fits); either with an exact "
                                                     "gradient accumulation for the configured global batch."),
+    max_trials: int = typer.Option(DEFAULT_MAX_TRIALS, "--max-trials", help="Stop after this many trials with "
+                                   "the largest size that fit so far (search_complete false in --json)."),
+    isolation: str = typer.Option("auto", "--isolation", help="Where a one-process search runs its trials: auto "
+                                  "(this process on a GPU without compile, an OOM caught and its memory freed; "
+                                  "else a fresh process per trial), process, or in-process."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun "
                                                                    "and the ranks agree on every trial."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Find the largest and the fastest micro-batch that fit, with real forward, backward and optimizer steps
-    at exactly the run's settings; each trial in a fresh process, the memory model's error reported."""
+    at exactly the run's settings, starting from the memory model's prediction; its error reported."""
     from nanopt.errors import ConfigError
     from nanopt.hardware import parse_size
     from nanopt.plan.find_batch.finder import find_batch, write_micro_batch
@@ -70,7 +80,8 @@ def find_batch_command(
     run = load_run_config(run_dir, sets)
     opts = FindBatchOptions(start=start, maximum=maximum, steps=steps, margin=margin, trial_timeout_s=timeout,
                             gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None,
-                            max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)
+                            max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
+                            max_trials=max_trials, isolation=isolation)
     main = ranks().is_main
     progress = _Progress(main)
     report = find_batch(run, opts, on_start=progress.start, on_trial=progress.done)
@@ -159,6 +170,7 @@ def _result_table(r: dict[str, Any]) -> Table:
         ("fastest (best)", f"{r['best_micro_batch']}{_accum(r['grad_accum_at_best'])}" if r["best_micro_batch"]
                            else "-"),
         ("configured", f"{r['configured']['micro_batch_size']}{_accum(r['configured']['grad_accum'])}"),
+        ("search", _search_text(r)),
         ("memory model: largest", f"{_value(c['predicted_max_micro_batch'])} (error "
                                   f"{_error(c['max_micro_batch_error'])})"),
         ("memory model: peak", f"{fmt.size(c['predicted_peak_bytes'])} vs measured "
@@ -173,6 +185,18 @@ def _result_table(r: dict[str, Any]) -> Table:
         table.add_row(label, escape(value))
     table.caption = c.get("note", "")
     return table
+
+
+def _search_text(r: dict[str, Any]) -> str:
+    """Where the search started (the memory model's prediction beside what was found), and how long it took."""
+    predicted = r.get("predicted_micro_batch")
+    source = f"the memory model predicted {predicted}" if predicted is not None else "no prediction"
+    start = f"started at {r['search_start']} ({source}" + (", --start given" if r["search_start_source"] == "--start"
+                                                           else "") + ")"
+    end = "" if r["search_complete"] else f"; stopped by --max-trials {r['max_trials']} before closing in"
+    where = {"process": "a process per trial", "in-process": "in this process", "ranks": "in the ranks' processes"}
+    return (f"{start}, {len(r['search_order'])} trial(s) {where[r['isolation']]} in {seconds(r.get('seconds'))}"
+            f"{end}")
 
 
 def _limit_text(r: dict[str, Any]) -> str:

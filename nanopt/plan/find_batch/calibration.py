@@ -16,13 +16,9 @@ def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[in
     if facts.get("precision") is None:
         return {"predicted_peak_bytes": None, "measured_peak_bytes": None, "peak_error": None,
                 "predicted_max_micro_batch": None, "max_micro_batch_error": None, "note": "nothing was measured"}
-    model = estimate_memory(run.model, run.seq_len, precision=facts["precision"], compiled=bool(facts["compiled"]),
-                            activation_checkpointing=run.train.activation_checkpointing,
-                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer)
     on_cpu = facts.get("device") != "cuda"
-    if on_cpu and facts.get("baseline_bytes"):
-        # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
-        model = dataclasses.replace(model, runtime_overhead=int(facts["baseline_bytes"]))
+    model = _memory_model(run, world, facts["precision"], bool(facts["compiled"]),
+                          facts.get("baseline_bytes") if on_cpu else None)
     for trial in trials.values():
         trial.predicted_peak_bytes = model.total(trial.micro_batch_size)
         if trial.peak_memory_bytes and not trial.peak_is_lower_bound:
@@ -45,6 +41,26 @@ def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[in
         "measured_bytes_per_sequence": slope,
         "note": note + ("; max_micro_batch_error is not defined when every size up to --max fits" if capped else ""),
     }
+
+
+def predict_micro_batch(run: RunConfig, world: int, precision: str | None, compiled: bool, usable: int | None,
+                        baseline_bytes: int | None = None) -> int | None:
+    """The largest micro-batch the memory model says fits in `usable` bytes (None without a limit): where the search
+    starts unless --start says otherwise. `baseline_bytes`: on the CPU, what a process holds before its first
+    tensor (Python and torch), in place of the model's CUDA context. None without a limit or a precision."""
+    if usable is None or precision is None:
+        return None
+    return _memory_model(run, world, precision, compiled, baseline_bytes).max_micro_batch(usable)
+
+
+def _memory_model(run: RunConfig, world: int, precision: str, compiled: bool, baseline_bytes: int | None) -> Any:
+    model = estimate_memory(run.model, run.seq_len, precision=precision, compiled=compiled,
+                            activation_checkpointing=run.train.activation_checkpointing,
+                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer)
+    if baseline_bytes:
+        # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
+        model = dataclasses.replace(model, runtime_overhead=int(baseline_bytes))
+    return model
 
 
 def _calibration_point(trials: dict[int, Trial], max_fit: int) -> Trial | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,17 +13,19 @@ from nanopt.config import RunConfig, TrainConfig
 from nanopt.errors import ConfigError, NanoptError
 from nanopt.model.flops import flops_per_token, mfu, mfu_note
 from nanopt.parsing import from_dict, read_json, save_json
-from nanopt.plan.find_batch.calibration import calibrate
+from nanopt.plan.find_batch.calibration import calibrate, predict_micro_batch
 from nanopt.plan.find_batch.search import (
+    PREDICTED_GROWTH,
     FindBatchOptions,
     Trial,
     grad_accum_for,
     judge,
     memory_limit,
     search,
+    trials_in_process,
     usable_bytes,
 )
-from nanopt.plan.find_batch.trials import ProcessTrials, RankTrials
+from nanopt.plan.find_batch.trials import InProcessTrials, ProcessTrials
 from nanopt.rundir import RunDir
 from nanopt.runtime import ranks
 
@@ -33,27 +36,56 @@ def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int],
                on_trial: Callable[[Trial], None] | None = None) -> dict[str, Any]:
     """Search the micro-batch sizes, save runs/NAME/find_batch.json (rank 0) and return the report (every rank)."""
     opts.validate()
+    started = time.monotonic()
     world = ranks().world_size
     if world > 1:
-        from nanopt.runtime import init_runtime, shutdown
-
-        rt = init_runtime(run.train.precision)
-        try:
-            _check_device(opts, rt.device.type == "cuda")
-            report = _search(run, opts, RankTrials(run, opts, rt), world, on_start, on_trial)
-        finally:
-            shutdown(rt)
+        report = _in_process(run, opts, world, "ranks", on_start, on_trial)
     else:
         if _surely_no_gpu():
             _check_device(opts, on_cuda=False)  # a missing --max-memory fails now, before any server starts
-        trials = ProcessTrials(run, opts)
-        _check_device(opts, trials.cuda_available())
-        report = _search(run, opts, trials, world, on_start, on_trial)
+            device = _cpu_facts(run)
+        else:
+            device = ProcessTrials(run, opts).device_facts()
+        _check_device(opts, device["cuda"])
+        if trials_in_process(opts.isolation, device["cuda"], device["compiled"]):
+            report = _in_process(run, opts, world, "in-process", on_start, on_trial)
+        else:
+            report = _search(run, opts, ProcessTrials(run, opts), world, device, "process", on_start, on_trial)
+    report["seconds"] = time.monotonic() - started
     if ranks().is_main:
         path = RunDir(run.run_dir).find_batch_json
         save_json(path, report)
         report["saved"] = str(path)
     return report
+
+
+def _in_process(run: RunConfig, opts: FindBatchOptions, world: int, isolation: str,
+                on_start: Callable[[int], None] | None, on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
+    """The search with every trial in this process (and, under torchrun, in every rank's process)."""
+    from nanopt.runtime import init_runtime, shutdown
+    from nanopt.train.parallel import resolve_compile
+
+    rt = init_runtime(run.train.precision)
+    try:
+        _check_device(opts, rt.device.type == "cuda")
+        trials = InProcessTrials(run, opts, rt)
+        device = {"cuda": rt.device.type == "cuda", "device_memory_bytes": trials.probe.device_memory_bytes,
+                  "precision": rt.precision, "compiled": resolve_compile(run.train.compile, rt.device)}
+        return _search(run, opts, trials, world, device, isolation, on_start, on_trial)
+    finally:
+        shutdown(rt)
+
+
+def _cpu_facts(run: RunConfig) -> dict[str, Any]:
+    """What the memory model needs to know of this machine when it has no GPU (asked without a trial process)."""
+    import torch
+
+    from nanopt.runtime import resolve_precision
+    from nanopt.train.parallel import resolve_compile
+
+    cpu = torch.device("cpu")
+    return {"cuda": False, "device_memory_bytes": None, "precision": resolve_precision(run.train.precision, cpu),
+            "compiled": resolve_compile(run.train.compile, cpu)}
 
 
 def _surely_no_gpu() -> bool:
@@ -82,9 +114,17 @@ def _check_device(opts: FindBatchOptions, on_cuda: bool) -> None:
 
 
 def _search(run: RunConfig, opts: FindBatchOptions, runner: Callable[[int], dict[str, Any]], world: int,
-            on_start: Callable[[int], None] | None, on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
+            device: dict[str, Any], isolation: str, on_start: Callable[[int], None] | None,
+            on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
     trials: dict[int, Trial] = {}
     facts: dict[str, Any] = {}
+    usable = usable_bytes(memory_limit(opts, device["device_memory_bytes"]), opts.margin)
+    # On the CPU a trial's peak includes Python and torch; this process, which imported both, stands in for them.
+    baseline = None if device["cuda"] else _resident_bytes()
+    predicted = predict_micro_batch(run, world, device["precision"], device["compiled"], usable, baseline)
+    start, growth = opts.start, 2.0
+    if start is None:  # near the answer already: small steps from there
+        start, growth = min(max(1, predicted or 1), opts.maximum), PREDICTED_GROWTH
 
     def fits(size: int) -> bool:
         if on_start:
@@ -101,8 +141,26 @@ def _search(run: RunConfig, opts: FindBatchOptions, runner: Callable[[int], dict
             on_trial(trial)
         return trial.fits
 
-    max_fit, order = search(fits, opts.start, opts.maximum)
-    return _report(run, opts, world, max_fit, order, trials, facts)
+    max_fit, order = search(fits, start, opts.maximum, max_trials=opts.max_trials, growth=growth)
+    report = _report(run, opts, world, max_fit, order, trials, facts)
+    report.update(_search_facts(opts, max_fit, trials, predicted, start, isolation))
+    return report
+
+
+def _search_facts(opts: FindBatchOptions, max_fit: int, trials: dict[int, Trial], predicted: int | None, start: int,
+                  isolation: str) -> dict[str, Any]:
+    """How the search went: where it started and why, and whether it closed in on its answer."""
+    # Complete: the next size up failed (or there is none); otherwise --max-trials ended the search first.
+    complete = max_fit == opts.maximum or (max_fit + 1 in trials and not trials[max_fit + 1].fits)
+    return {"micro_batch": max_fit, "predicted_micro_batch": predicted, "search_start": start,
+            "search_start_source": "--start" if opts.start is not None else "memory model",
+            "search_complete": complete, "max_trials": opts.max_trials, "isolation": isolation}
+
+
+def _resident_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 _FACT_KEYS = ("device", "device_name", "device_memory_bytes", "context_bytes", "precision", "compiled", "peak_flops",

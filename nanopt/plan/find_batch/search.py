@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig, TrainConfig
+from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_SIZE_BYTES
 from nanopt.parsing import check_option
 
@@ -19,24 +20,34 @@ MIN_STEPS = 3
 MAX_MICRO_BATCH = 1 << 20
 MAX_TRIAL_STEPS = 10_000
 MAX_TRIAL_TIMEOUT_S = 7 * 24 * 3600.0  # a week
-PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
+# Enough to double from 1 to 1024 and bisect back (21), so a bound that stops a search is a choice, not an accident.
+DEFAULT_MAX_TRIALS = 24
+# From the memory model's prediction the answer is near: first steps of 25% (not 2x) until a size fails or fits.
+PREDICTED_GROWTH = 1.25
+ISOLATIONS = ("auto", "process", "in-process")
 
 @dataclass(frozen=True)
 class FindBatchOptions:
-    start: int = 1
+    start: int | None = 1  # None: the memory model's prediction for this device
     maximum: int = DEFAULT_MAX
     steps: int = MIN_STEPS
     margin: float = 0.05  # keep this fraction of the limit free
     gpu_memory: int | None = None  # bytes: behave as if the GPU had this much memory
     max_memory: int | None = None  # bytes, CPU only: bound on a trial process's peak resident memory
     trial_timeout_s: float = 1800.0
+    max_trials: int = DEFAULT_MAX_TRIALS
+    isolation: str = "auto"  # where a single-process search runs its trials: see trials_in_process
 
     def validate(self) -> None:
         # Upper bounds far past any real search: a value beyond one is a typo (and a trial asked for 2**63 steps
         # or sequences would run or allocate until killed).
         hint = f"need 1 <= --start <= --max, --steps >= {MIN_STEPS}, 0 <= --margin < 1"
         check_option("--start", self.start, 1, MAX_MICRO_BATCH, hint)
-        check_option("--max", self.maximum, self.start, MAX_MICRO_BATCH, hint)
+        check_option("--max", self.maximum, self.start or 1, MAX_MICRO_BATCH, hint)
+        check_option("--max-trials", self.max_trials, 1, MAX_TRIAL_STEPS, "e.g. --max-trials 8")
+        if self.isolation not in ISOLATIONS:
+            raise ConfigError(f"--isolation: unknown value '{self.isolation}'",
+                              "use --isolation auto, --isolation process or --isolation in-process")
         check_option("--steps", self.steps, MIN_STEPS, MAX_TRIAL_STEPS, hint)
         check_option("--margin", self.margin, 0, 0.99, hint)
         check_option("--gpu-memory", self.gpu_memory, 1, MAX_SIZE_BYTES, hint)
@@ -64,35 +75,63 @@ class Trial:
 # ------------------------------------------------------------------------------------------------- search
 
 
-def search(fits: Callable[[int], bool], start: int = 1, maximum: int = DEFAULT_MAX) -> tuple[int, list[int]]:
+class _OutOfTrials(Exception):
+    """The search has used all the trials it may."""
+
+
+def search(fits: Callable[[int], bool], start: int = 1, maximum: int = DEFAULT_MAX, max_trials: int | None = None,
+           growth: float = 2.0) -> tuple[int, list[int]]:
     """The largest n in [1, maximum] with fits(n), for a predicate that holds up to a threshold and not above.
 
-    Doubles from `start` until a size fails or `maximum` is reached, then bisects between the last size that
-    fit and the first that failed (below `start` too, when `start` itself fails). Each size is tried once.
+    From `start`, steps up by `growth` while sizes fit (until `maximum`), or down by it while they fail (until 1),
+    then bisects between the last size that fit and the first that failed. Each size is tried once, at most
+    `max_trials` sizes in all: when they run out, the answer is the largest size that fit so far.
     Returns (the largest size that fits, or 0, and the sizes in the order they were tried).
     """
     if not 1 <= start <= maximum:
         raise ValueError(f"need 1 <= start <= maximum, got start {start}, maximum {maximum}")
-    tried: list[int] = []
+    outcomes: dict[int, bool] = {}  # in the order tried
 
     def attempt(size: int) -> bool:
-        tried.append(size)
-        return fits(size)
+        if max_trials is not None and len(outcomes) >= max_trials:
+            raise _OutOfTrials
+        outcomes[size] = fits(size)
+        return outcomes[size]
 
-    fit, size = 0, start
-    while attempt(size):
-        fit = size
-        if size == maximum:
-            return fit, tried
-        size = min(2 * size, maximum)
-    fail = size
-    while fail - fit > 1:
-        middle = (fit + fail) // 2
-        if attempt(middle):
-            fit = middle
-        else:
-            fail = middle
-    return fit, tried
+    try:
+        fit, fail = _bracket(attempt, start, maximum, growth)
+        while fail - fit > 1:
+            middle = (fit + fail) // 2
+            if attempt(middle):
+                fit = middle
+            else:
+                fail = middle
+    except _OutOfTrials:
+        # Every size tried above the largest that fit failed (the bracket only narrows), so that one is the answer.
+        fit = max((size for size, ok in outcomes.items() if ok), default=0)
+    return fit, list(outcomes)
+
+
+def _bracket(attempt: Callable[[int], bool], start: int, maximum: int, growth: float) -> tuple[int, int]:
+    """(a size that fits or 0, a larger size that fails, or maximum + 1 when maximum fits), stepping from `start`.
+    Each step is `growth` times larger than the last, up to 2x: a prediction far off costs a few trials more than
+    doubling would, a close one far fewer."""
+    factor = growth
+    if attempt(start):
+        fit = start
+        while fit < maximum:
+            size = min(max(fit + 1, int(fit * factor)), maximum)
+            if not attempt(size):
+                return fit, size
+            fit, factor = size, min(2.0, factor * growth)
+        return fit, maximum + 1
+    fail = start
+    while fail > 1:
+        size = max(1, min(fail - 1, int(fail / factor)))
+        if attempt(size):
+            return size, fail
+        fail, factor = size, min(2.0, factor * growth)
+    return 0, fail
 
 
 def agree(rt: Any, fits_local: bool) -> bool:
@@ -154,3 +193,16 @@ def judge(m: dict[str, Any], limit: int | None, margin: float) -> tuple[bool, st
     return False, detail if status == "died" else f"crashed: {detail}"
 
 
+
+
+def trials_in_process(isolation: str, cuda: bool, compiled: bool) -> bool:
+    """Whether a single-process search runs its trials in its own process rather than one process per trial.
+
+    auto: in-process on a GPU without compile, where an OOM raises torch.OutOfMemoryError, the trial's memory is
+    freed and the next trial starts from an emptied cache; every trial saves a new CUDA context. A process per
+    trial with compile (a failed compilation or autotuning can leave state behind, and dynamo's caches grow with
+    every size) and on the CPU (nothing raises there: the parent watches the trial's memory and kills it once over
+    --max-memory, before it takes the machine down)."""
+    if isolation != "auto":
+        return isolation == "in-process"
+    return cuda and not compiled

@@ -45,7 +45,9 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             times.append(time.perf_counter() - started)
-    except torch.OutOfMemoryError as exc:
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
+        if not _is_oom(exc):
+            raise
         status, detail = "oom", str(exc).strip().splitlines()[0][:300]
     peak = probe.peak()
     del session
@@ -120,19 +122,36 @@ def _exit_when_gone(pid: int, every_s: float = 1.0) -> None:
 
 
 def _crash_reason(exc: BaseException, last_line: str) -> str:
+    return ("oom: " if _is_oom(exc) else "") + last_line[:300]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
     text = str(exc).lower()
-    if "out of memory" in text or "cublas_status_alloc_failed" in text:
-        return "oom: " + last_line[:300]
-    return last_line[:300]
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "cublas_status_alloc_failed" in text
 
 
 # ------------------------------------------------------------------------------------------ trial runners
 
 
-def _report_cuda(conn: Any) -> None:
+def _report_device(run: RunConfig, conn: Any) -> None:
+    """In a throwaway process: whether CUDA is here, and what the memory model needs to know of the device."""
     import torch
 
-    conn.send(torch.cuda.is_available())
+    from nanopt.runtime import resolve_precision
+    from nanopt.train.parallel import resolve_compile
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    try:
+        facts = {"cuda": cuda, "precision": resolve_precision(run.train.precision, device),
+                 "compiled": resolve_compile(run.train.compile, device),
+                 "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None}
+    except NanoptError as exc:  # an unsupported precision: reported by the first trial, as before
+        facts = {"cuda": cuda, "precision": None, "compiled": False, "device_memory_bytes": None,
+                 "error": exc.message}
+    conn.send(facts)
     conn.close()
 
 
@@ -148,14 +167,15 @@ class ProcessTrials:
         self.ctx.set_forkserver_preload(["__main__", "nanopt.plan.find_batch.trials", "nanopt.train.loop",
                                          "nanopt.model.transformer", "nanopt.data.loader"])
 
-    def cuda_available(self) -> bool:
-        """Asked in a process forked from the server, so this one never imports torch (nor touches CUDA)."""
+    def device_facts(self) -> dict[str, Any]:
+        """{cuda, precision, compiled, device_memory_bytes}, asked in a process forked from the server, so this one
+        never touches CUDA (a trial process would then inherit a CUDA context it cannot use)."""
         parent_conn, child_conn = self.ctx.Pipe(duplex=False)
-        process = self.ctx.Process(target=_report_cuda, args=(child_conn,), name="find-batch-device")
+        process = self.ctx.Process(target=_report_device, args=(self.run, child_conn), name="find-batch-device")
         process.start()
         child_conn.close()
         try:
-            return bool(parent_conn.recv())
+            return parent_conn.recv()
         finally:
             process.join()
             parent_conn.close()
@@ -217,8 +237,10 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"exited with status {exitcode} without a result"
 
 
-class RankTrials:
-    """Under torchrun: trials in this rank's process, measurements made identical on every rank."""
+class InProcessTrials:
+    """Trials in this process: one process on a GPU without compile (an OOM is caught, the trial's memory freed
+    and the allocator's cache emptied before the next), or each rank's own under torchrun, where measurements are
+    made identical on every rank."""
 
     def __init__(self, run: RunConfig, opts: FindBatchOptions, rt: Any) -> None:
         self.run, self.opts, self.rt = run, opts, rt
@@ -229,7 +251,8 @@ class RankTrials:
         from nanopt.runtime import all_reduce_max
 
         limit = memory_limit(self.opts, self.probe.device_memory_bytes)
-        predicted = _extrapolate(self.fitted, micro_batch_size)
+        # Only where an OOM could strand the other ranks in a collective; one process just runs the size.
+        predicted = _extrapolate(self.fitted, micro_batch_size) if self.rt.distributed else None
         if predicted is not None and limit is not None and predicted > PREDICTED_OOM_FACTOR * limit:
             return {"status": "predicted_oom", "peak_memory_bytes": None, **self._facts()}
         m = measure(trial_run(self.run, micro_batch_size, self.rt.world_size), self.rt, self.opts.steps, self.probe)
