@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -109,6 +110,20 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the person's own allocator options, either name
+
+
+def allocator_settings(environ: Mapping[str, str] | None = None) -> str | None:
+    """The CUDA caching allocator options training asks for: expandable segments, which grow a segment in place
+    instead of caching blocks of many sizes, so the memory reserved (what decides an out-of-memory error, and what
+    nanopt reports as peak memory) stays close to what is allocated; nanochat and modded-nanogpt set the same.
+    None when the person set allocator options of their own: theirs apply, untouched."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in ALLOCATOR_ENV):
+        return None
+    return "expandable_segments:True"
+
+
 def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runtime:
     """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU)."""
     import torch
@@ -117,9 +132,15 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runti
     rank, local_rank, world = ranks()
     timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
     if torch.cuda.is_available():
+        settings = allocator_settings()
+        if settings is not None:  # before the first CUDA allocation: segments made earlier would keep the old kind
+            torch.cuda.memory._set_allocator_settings(settings)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        # fp32 matmuls on tensor cores, through the legacy flags only: they read back consistently through the
+        # newer fp32_precision API too (torch 2.9+), while setting per-backend fp32_precision values beside them
+        # makes torch raise "mix of the legacy and new APIs" (inside Inductor too). Set TF32 nowhere else.
+        torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")

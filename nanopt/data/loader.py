@@ -51,12 +51,51 @@ def _windows_in(stream: TokenStream, seq_len: int) -> int:
     return max(0, (stream.total - 1) // seq_len)
 
 
-def _to_tensors(windows: np.ndarray) -> tuple[Any, Any]:
+def _to_tensors(windows: np.ndarray, pin_memory: bool = False) -> tuple[Any, Any]:
     import torch
 
     inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
     targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    if pin_memory:  # page-locked: the copy to the GPU is one DMA that need not wait for the host
+        return inputs.pin_memory(), targets.pin_memory()
     return inputs, targets
+
+
+class _ReadAhead:
+    """One micro-batch read in a background thread, labelled with the loader position it belongs to."""
+
+    def __init__(self, pin_for: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pin_for = pin_for
+        # The thread pins for this rank's GPU: without set_device it would make a CUDA context on GPU 0 (as torch's
+        # DataLoader does in its pin-memory thread).
+        initializer = _set_cuda_device if pin_for is not None else None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanopt-read-ahead",
+                                           initializer=initializer, initargs=(pin_for,) if initializer else ())
+        self.position: tuple[int, int] | None = None
+        self.future: Any = None
+
+    def start(self, position: tuple[int, int], read: Any) -> None:
+        self.position, self.future = position, self.executor.submit(read)
+
+    def take(self, position: tuple[int, int]) -> tuple[Any, Any] | None:
+        """The batch read ahead for `position`; None when there is none, or it was read for another position (the
+        loader was moved since: a resume, a rollback), which is dropped."""
+        future, self.future = self.future, None
+        if future is None or self.position != position:
+            return None
+        return future.result()  # an error of the read (a vanished shard) is raised here, in the training thread
+
+    def close(self) -> None:
+        self.future = None
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _set_cuda_device(device: Any) -> None:
+    import torch
+
+    torch.cuda.set_device(device)
 
 
 def check_token_ids(dataset: TokenDataset, split: str, stream: TokenStream, starts: np.ndarray, length: int,
@@ -105,6 +144,7 @@ class TrainLoader:
         self.micro_step = 0  # micro-steps of the current step already handed out
         self._permutation: FeistelPermutation | None = None
         self._checked_step = -1  # the last step whose token ids were checked
+        self._read_ahead: _ReadAhead | None = None  # see prefetch()
         self._check_step()  # the first step's now, so plainly bad data fails before any work (a profiler, a model)
 
     @property
@@ -126,17 +166,52 @@ class TrainLoader:
         return (self.step * self.samples_per_step
                 + (self.micro_step * self.world_size + self.rank) * self.micro_batch_size)
 
+    def prefetch(self, pin_for: Any = None) -> None:
+        """From now on read each next micro-batch in a background thread while the current one trains (one ahead),
+        into pinned memory for the CUDA device `pin_for` (a non-blocking copy to it; None: not pinned). The
+        batches, their order and state_dict() stay exactly as without it: the batch read ahead is not consumed
+        until next_batch hands it out, and one read for a position the loader has since left (load_state_dict) is
+        dropped."""
+        if self._read_ahead is None or self._read_ahead.pin_for != pin_for:
+            self.close()
+            self._read_ahead = _ReadAhead(pin_for)
+
+    def close(self) -> None:
+        """Stop reading ahead (the background thread ends)."""
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+            self._read_ahead = None
+
     def next_batch(self) -> tuple[Any, Any]:
-        """(inputs, targets): int64 CPU tensors of shape [micro_batch_size, seq_len]."""
+        """(inputs, targets): int64 CPU tensors of shape [micro_batch_size, seq_len] (pinned when prefetching for a
+        GPU)."""
         if self._checked_step != self.step:  # also after resuming in the middle of a step
             self._check_step()
-        first = self._first_sample()
-        samples = np.arange(first, first + self.micro_batch_size, dtype=np.int64)
+        ahead = self._read_ahead
+        batch = ahead.take((self.step, self.micro_step)) if ahead is not None else None
+        if batch is None:
+            batch = self._read(self._starts(), ahead is not None and ahead.pin_for is not None)
         self.micro_step += 1
         if self.micro_step == self.grad_accum:
             self.step, self.micro_step = self.step + 1, 0
-        starts = self._windows(samples) * self.seq_len
-        return _to_tensors(self.stream.windows(starts, self.seq_len + 1))
+        if ahead is not None:
+            # The next batch's windows are found here, in the training thread (the permutation is cached per
+            # epoch, not shared with the thread); only the read and the copies run in the background.
+            starts, pin = self._starts(), ahead.pin_for is not None
+            ahead.start((self.step, self.micro_step), lambda: self._read(starts, pin))
+        return batch
+
+    def _starts(self) -> np.ndarray:
+        """Token offsets of the windows of the next micro-batch."""
+        first = self._first_sample()
+        return self._windows(np.arange(first, first + self.micro_batch_size, dtype=np.int64)) * self.seq_len
+
+    def _read(self, starts: np.ndarray, pin_memory: bool) -> tuple[Any, Any]:
+        return _to_tensors(self.stream.windows(starts, self.seq_len + 1), pin_memory)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (or pickle) of the loader has its position and no background thread."""
+        return {**self.__dict__, "_read_ahead": None}
 
     def _check_step(self) -> None:
         """Check the token ids of every sample of the step, on every rank: the same DataError on all ranks."""

@@ -386,13 +386,21 @@ def _top(ops: list[tuple[str, str, float, int]], steps: int, count: int) -> list
 
 
 def compile_report(compiled: bool) -> dict[str, Any]:
-    """Graphs dynamo produced and why it broke graphs, from its counters; or that compile is off."""
+    """Graphs dynamo produced and why it broke graphs, from its counters; or that compile is off.
+
+    A frame Dynamo gave up on (a graph break inside a loop, an untraceable call) runs eagerly, whole, and is not
+    in `counters["graph_break"]`: it is counted here as a graph break of its own, with the reasons Dynamo gave."""
     if not compiled:
-        return {"enabled": False, "graphs": None, "graph_breaks": None, "break_reasons": [], "note": "compile off"}
+        return {"enabled": False, "graphs": None, "graph_breaks": None, "skipped_frames": None, "break_reasons": [],
+                "note": "compile off"}
     from torch._dynamo.utils import counters
 
     reasons = sorted(counters["graph_break"].items(), key=lambda item: -item[1])
+    skipped = max(0, int(counters["frames"]["total"]) - int(counters["frames"]["ok"]))
+    if skipped:
+        why = "; ".join(str(reason).splitlines()[0] for reason in counters["unimplemented"]) or "no reason recorded"
+        reasons.insert(0, (f"frames skipped by dynamo, run eagerly ({why})", skipped))  # first: a whole frame
     return {"enabled": True, "graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(count for _, count in reasons)),
+            "graph_breaks": int(sum(count for _, count in reasons)), "skipped_frames": skipped,
             "break_reasons": [{"reason": str(reason)[:300], "count": int(count)} for reason, count in reasons],
             "note": "counted by torch._dynamo during the profiled run"}

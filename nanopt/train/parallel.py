@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,21 +80,50 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     model.to(rt.device)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    ddp = None
-    fsdp = cfg.parallelism == "fsdp" and rt.distributed
-    wrapped: torch.nn.Module = model
-    if fsdp:
+    compiled = resolve_compile(cfg.compile, rt.device)
+    if cfg.parallelism == "fsdp" and rt.distributed:
+        if compiled:
+            _compile_blocks(model)  # before sharding: FSDP2's hooks must stay outside the compiled code
         _shard(model, rt)
-    elif rt.distributed:
+        return Prepared(model=model, raw=model, ddp=None, fsdp=True, compiled=compiled)
+    ddp = None
+    wrapped: torch.nn.Module = model
+    if rt.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True)
+                                      gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_cap_mb(model))
         wrapped = ddp
-    compiled = resolve_compile(cfg.compile, rt.device)
     if compiled:
-        wrapped = torch.compile(wrapped)
-    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=fsdp, compiled=compiled)
+        # One graph for the model and its loss. Static shapes: a new batch shape (an evaluation's) gets a graph of
+        # its own instead of turning the training graph's sizes symbolic. Over DDP, Dynamo's DDPOptimizer splits
+        # the graph at DDP's bucket boundaries, hence buckets of a layer's size.
+        wrapped = torch.compile(wrapped, dynamic=False)
+    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=False, compiled=compiled)
+
+
+def _compile_blocks(model: torch.nn.Module) -> None:
+    """Under FSDP2, compile each block's forward and the final norm, as torchtitan does (apply_compile before
+    apply_fsdp). Compiling the whole sharded model instead makes Dynamo meet FSDP2's (uncompilable) hooks inside
+    the layer loop and skip the model's frame without a word. Replacing `forward` on the instance keeps every
+    parameter's name (a torch.compile wrapper module would prefix them `_orig_mod.`); the blocks share one code
+    object, so they share one compiled graph. The embedding and the chunked loss stay eager: they run inside the
+    root module's forward, which FSDP2's hooks surround."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, dynamic=False)
+    model.norm.forward = torch.compile(model.norm.forward, dynamic=False)
+
+
+DDP_MIN_BUCKET_MB = 25  # DDP's own default
+
+
+def ddp_bucket_cap_mb(model: torch.nn.Module) -> int:
+    """DDP bucket size (MiB) that holds the gradients of the largest transformer layer, and at least DDP's default.
+    Under torch.compile each bucket boundary splits the graph (DDPOptimizer): at 25 MiB a 1B-parameter Llama's
+    layer is cut into four subgraphs, each with its own wrapper; a layer per bucket keeps it to about one."""
+    layer_bytes = max((sum(p.numel() * p.element_size() for p in block.parameters()) for block in model.layers),
+                      default=0)
+    return max(DDP_MIN_BUCKET_MB, math.ceil(layer_bytes / 2**20))
 
 
 def _shard(model: torch.nn.Module, rt: Runtime) -> None:

@@ -27,6 +27,11 @@ def step(s: Session) -> tuple[float, float, bool]:
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
     set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
+    if s.rt.device.type == "cuda" and hasattr(s.loader, "prefetch"):
+        # The next micro-batch is read and pinned in a background thread while this one runs, so the copies below
+        # are non-blocking DMAs; on the CPU there is no device to overlap with. Idempotent: the loader keeps it on.
+        # (A loader of another kind, such as bench/bench_train.py's random tokens, is used as it is.)
+        s.loader.prefetch(pin_for=s.rt.device)
     for micro in range(s.accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
@@ -37,16 +42,10 @@ def step(s: Session) -> tuple[float, float, bool]:
             (loss / s.accum).backward()
         loss_sum += loss.detach().float()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True)
-    norm = _local(norm)
-    # One all-reduce and one host sync per step: the mean loss, and whether any rank saw a non-finite
-    # value or was asked to stop. Every rank then takes the same branch.
-    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
-    stats = torch.stack([loss_sum / s.accum, bad, torch.tensor(float(s.preempt_requested), device=s.rt.device)])
-    stats = all_reduce_sum_(s.rt, stats.double()).tolist()
-    mean_loss, any_bad, any_stop = stats[0] / s.rt.world_size, stats[1] > 0, stats[2] > 0
+    norm = _local(torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True))
+    mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum, norm)
     if any_bad:
-        _skip_nonfinite(s, mean_loss, float(norm))
+        _skip_nonfinite(s, mean_loss, norm_value)
     else:
         s.optimizer.step()
         st.consecutive_nonfinite = 0
@@ -54,7 +53,23 @@ def step(s: Session) -> tuple[float, float, bool]:
     st.step += 1
     st.tokens += cfg.global_batch_tokens
     st.last_loss = mean_loss
-    return mean_loss, float(norm), any_stop
+    return mean_loss, norm_value, any_stop
+
+
+def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float]:
+    """(mean loss over ranks, did any rank see a non-finite value, was any rank asked to stop, this rank's grad
+    norm): one all-reduce and the step's one host sync, so every rank takes the same branch.
+
+    The sync comes before optimizer.step() on purpose: skipping a non-finite step on the device (fused AdamW's
+    found_inf) would leave the host to learn of it a step late, after the spike and recovery logic had already
+    judged that step's numbers. The stop flag is filled on the device from a Python number (torch.full: a kernel,
+    no host-to-device copy that would wait for the backward); the norm rides along in the same read.
+    """
+    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
+    stop = torch.full((), float(s.preempt_requested), device=s.rt.device)
+    reduced = all_reduce_sum_(s.rt, torch.stack([loss_sum / s.accum, bad, stop]).double())
+    loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm.detach().double().reshape(1)]).tolist()
+    return loss / s.rt.world_size, any_bad > 0, any_stop > 0, norm_value
 
 
 def _local(norm: torch.Tensor) -> torch.Tensor:

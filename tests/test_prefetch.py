@@ -1,0 +1,83 @@
+"""The training loader reads the next micro-batch ahead in a background thread (into pinned memory on a GPU host),
+and nothing else changes: the same batches in the same order, and a position (state_dict) that never counts the
+batch read ahead, so a checkpoint resumes at the very next batch and a rollback reads the right one."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanopt.data.dataset import TokenDataset
+from nanopt.data.loader import TrainLoader
+
+SEQ, BATCH, ACCUM = 16, 3, 2
+
+
+class ReadingThreads:
+    """Wraps a dataset's token stream to note which thread read each batch's windows."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.threads = stream, []
+
+    def windows(self, starts, length):
+        if len(starts) == BATCH:  # a micro-batch; the step's token-id check reads all the step's windows at once
+            self.threads.append(threading.current_thread().name)
+        return self.stream.windows(starts, length)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _loader(dataset, prefetch: bool) -> TrainLoader:
+    loader = TrainLoader(dataset, "train", SEQ, BATCH, ACCUM, rank=0, world_size=1, seed=3)
+    if prefetch:
+        loader.prefetch()
+    return loader
+
+
+def _take(loader: TrainLoader, count: int) -> list[torch.Tensor]:
+    return [torch.cat(loader.next_batch(), dim=1) for _ in range(count)]
+
+
+def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: Path):
+    dataset = TokenDataset.open(tiny_dataset)
+    plain = _loader(dataset, prefetch=False)
+    expected = _take(plain, 9)
+
+    ahead = _loader(dataset, prefetch=True)
+    ahead.stream = ReadingThreads(ahead.stream)
+    got = _take(ahead, 5)  # mid-step: 5 micro-batches of accumulation 2
+    assert all(torch.equal(a, b) for a, b in zip(got, expected[:5], strict=True))
+    # Every batch after the first was read in the background, before it was asked for.
+    assert ahead.stream.threads[0] == threading.current_thread().name
+    assert all(name != threading.current_thread().name for name in ahead.stream.threads[1:]), ahead.stream.threads
+    assert len(ahead.stream.threads) == 6  # the five handed out, and the sixth read ahead
+
+    # The position is that of the batches handed out, not of the one read ahead.
+    state = ahead.state_dict()
+    assert (state["step"], state["micro_step"]) == (2, 1)
+    resumed = _loader(dataset, prefetch=True)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(_take(resumed, 4), expected[5:9], strict=True))
+
+    # A rollback to an earlier position discards the batch read ahead and reads the one it asks for.
+    earlier = _loader(dataset, prefetch=False)
+    _take(earlier, 2)
+    ahead.load_state_dict(earlier.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(_take(ahead, 3), expected[2:5], strict=True))
+    ahead.close()
+    resumed.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_arrive_in_pinned_memory_on_a_gpu_host(tiny_dataset: Path):
+    loader = TrainLoader(TokenDataset.open(tiny_dataset), "train", SEQ, BATCH, ACCUM, rank=0, world_size=1, seed=3)
+    loader.prefetch(pin_for=torch.device("cuda", 0))
+    for _ in range(3):
+        inputs, targets = loader.next_batch()
+        assert inputs.is_pinned() and targets.is_pinned()
+    loader.close()
