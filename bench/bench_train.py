@@ -1,14 +1,17 @@
-"""Training throughput of nanopt's real step against a plain nanoGPT-style baseline, side by side in one run.
+"""Training throughput of nanopt's real step against plain nanoGPT-style baselines, side by side in one run.
 
     python bench/bench_train.py --run runs/gpt2-small --micro-batch 32            # one H100: the headline
-    python bench/bench_train.py --run runs/llama-3.2-1b --micro-batch 8
+    python bench/bench_train.py --run runs/llama-3.2-1b --micro-batch 8 --accum 1 8
     python bench/bench_train.py --run runs/demo --steps 4 --warmup 1              # CPU smoke run
 
-Both sides get the same model shape, micro-batch, sequence length and random tokens, and are timed after
+Every side gets the same model shape, micro-batch, sequence length and random tokens, and is timed after
 warm-up (compilation included in warm-up) with a device synchronisation around the timed steps. nanopt runs
-its actual `nanopt.train.loop.step` (compile per train.json, fused AdamW, bf16 autocast, chunked loss); the baseline
-is bench/baseline.py. Prints tokens/s, MFU (PaLM FLOPs against the GPU's dense peak), peak memory and the ratio,
-and the exact command, for bench/RESULTS.md.
+its actual `nanopt.train.step.step` (compile per train.json, fused AdamW, bf16 autocast, chunked loss); the
+baselines are bench/baseline.py, eager (`nanogpt-eager`) and under torch.compile (`nanogpt-compiled`, the honest
+one). Each side is timed at every `--accum` (micro-batches per optimizer step; the presets accumulate, so the
+step training runs is the one with accumulation > 1). Prints tokens/s, MFU (PaLM FLOPs against the GPU's dense
+peak), peak memory and the ratios, and the exact command, for bench/RESULTS.md. bench/gpu_session.py calls the
+functions below.
 """
 
 from __future__ import annotations
@@ -20,18 +23,20 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baseline import BaselineGPT  # noqa: E402
 
-from nanopt.config import load_run  # noqa: E402
+from nanopt.config import RunConfig, load_run  # noqa: E402
 from nanopt.model.flops import flops_per_token, mfu, mfu_note  # noqa: E402
 from nanopt.model.transformer import Transformer  # noqa: E402
-from nanopt.runtime import MemoryProbe, device_peak_flops, init_runtime  # noqa: E402
+from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, init_runtime  # noqa: E402
 from nanopt.train.events import Silent  # noqa: E402
 from nanopt.train.metrics import MetricsLog  # noqa: E402
 from nanopt.train.optim import build_optimizer  # noqa: E402
@@ -39,6 +44,8 @@ from nanopt.train.parallel import prepare, resolve_compile  # noqa: E402
 from nanopt.train.session import Session, TrainOptions  # noqa: E402
 from nanopt.train.state import TrainState  # noqa: E402
 from nanopt.train.step import step  # noqa: E402
+
+BASELINES = ("nanogpt-eager", "nanogpt-compiled")
 
 
 class RandomTokens:
@@ -55,6 +62,22 @@ class RandomTokens:
         return self.inputs, self.targets
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One side at one accumulation: seconds per optimizer step and the memory the whole side needed."""
+
+    accum: int
+    seconds_per_step: float
+    tokens_per_step: int
+    peak_bytes: int  # nanopt's definition (nanopt.runtime.MemoryProbe): reserved + CUDA context; peak RSS on a CPU
+    max_allocated_bytes: int | None  # torch.cuda.max_memory_allocated; None on a CPU
+    max_reserved_bytes: int | None  # torch.cuda.max_memory_reserved; None on a CPU
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds_per_step
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -62,6 +85,7 @@ def sync(device: torch.device) -> None:
 
 def reset_memory(device: torch.device) -> MemoryProbe:
     """A fresh peak-memory probe, measured as nanopt measures it everywhere (reserved + context on CUDA)."""
+    torch._dynamo.reset()  # compiled graphs of the side before may hold on to its buffers
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -70,7 +94,7 @@ def reset_memory(device: torch.device) -> MemoryProbe:
     return probe
 
 
-def time_steps(run_step, warmup: int, steps: int, device: torch.device) -> float:
+def time_steps(run_step: Callable[[], object], warmup: int, steps: int, device: torch.device) -> float:
     for _ in range(warmup):
         run_step()
     sync(device)
@@ -81,42 +105,91 @@ def time_steps(run_step, warmup: int, steps: int, device: torch.device) -> float
     return (time.perf_counter() - start) / steps
 
 
-def bench_nanopt(run, rt, args) -> tuple[float, int]:
+def with_shape(run: RunConfig, micro_batch: int, compile_setting: bool | str | None = None,
+               activation_checkpointing: bool | None = None) -> RunConfig:
+    """The run at this micro-batch (global batch = one micro-batch; each side sets its own accumulation)."""
+    changes = {"micro_batch_size": micro_batch, "global_batch_tokens": micro_batch * run.seq_len}
+    if compile_setting is not None:
+        changes["compile"] = compile_setting
+    if activation_checkpointing is not None:
+        changes["activation_checkpointing"] = activation_checkpointing
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, **changes))
+
+
+def _measure(run_step: Callable[[], object], set_accum: Callable[[int], None], accums: list[int], warmup: int,
+             steps: int | Callable[[int], int], tokens_per_micro: int, probe: MemoryProbe,
+             device: torch.device) -> list[Measured]:
+    """Time `run_step` at each accumulation; the first pays the warm-up (compilation), the others reuse it."""
+    timed = []
+    for i, accum in enumerate(accums):
+        set_accum(accum)
+        count = steps(accum) if callable(steps) else steps
+        timed.append((accum, time_steps(run_step, warmup if i == 0 else 0, count, device)))
+    peak = probe.peak()
+    allocated = reserved = None
+    if device.type == "cuda":
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return [Measured(accum, seconds, accum * tokens_per_micro, peak, allocated, reserved) for accum, seconds in timed]
+
+
+def bench_nanopt(run: RunConfig, rt: Runtime, accums: list[int], warmup: int,
+                 steps: int | Callable[[int], int]) -> list[Measured]:
+    """nanopt's own optimizer step (nanopt.train.step.step) on random tokens, as `nanopt train` runs it."""
     probe = reset_memory(rt.device)
     torch.manual_seed(0)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
-    loader = RandomTokens(run.model.vocab_size, args.micro_batch, run.seq_len, rt.device)
+    loader = RandomTokens(run.model.vocab_size, run.train.micro_batch_size, run.seq_len, rt.device)
     session = Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
                       accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
                       flops_per_token=0, peak_flops=None, peak_source="", memory=probe,
-                      train_state=TrainState(loader))
-    seconds = time_steps(lambda: step(session), args.warmup, args.steps, rt.device)
-    peak = probe.peak()
-    return seconds, peak
+                      train_state=TrainState(loader), price_per_hour=None, price_source="")
+
+    def set_accum(accum: int) -> None:
+        session.accum = accum
+
+    return _measure(lambda: step(session), set_accum, accums, warmup, steps, run.train.micro_batch_size * run.seq_len,
+                    probe, rt.device)
 
 
-def bench_baseline(run, rt, args) -> tuple[float, int]:
+def bench_baseline(run: RunConfig, rt: Runtime, accums: list[int], warmup: int, steps: int | Callable[[int], int],
+                   compile_backend: str | None) -> list[Measured]:
+    """bench/baseline.py: eager when `compile_backend` is None, else under torch.compile with that backend
+    ("inductor" on a GPU; "eager" exercises the same path in a CPU smoke run without generating code)."""
     probe = reset_memory(rt.device)
     torch.manual_seed(0)
     model = BaselineGPT(run.model).to(rt.device)
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     fused = rt.device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=0.1, fused=fused)
-    loader = RandomTokens(run.model.vocab_size, args.micro_batch, run.seq_len, rt.device)
+    loader = RandomTokens(run.model.vocab_size, run.train.micro_batch_size, run.seq_len, rt.device)
+    accumulation = {"n": 1}
 
     def one_step() -> None:
-        x, y = (t.to(rt.device, non_blocking=True) for t in loader.next_batch())
-        with rt.autocast():
-            loss = model(x, y)
-        loss.backward()
+        for _ in range(accumulation["n"]):
+            x, y = (t.to(rt.device, non_blocking=True) for t in loader.next_batch())
+            with rt.autocast():
+                loss = forward(x, y)
+            (loss / accumulation["n"]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    seconds = time_steps(one_step, args.warmup, args.steps, rt.device)
-    peak = probe.peak()
-    return seconds, peak
+    def set_accum(accum: int) -> None:
+        accumulation["n"] = accum
+
+    return _measure(one_step, set_accum, accums, warmup, steps, run.train.micro_batch_size * run.seq_len, probe,
+                    rt.device)
+
+
+def bench_side(name: str, run: RunConfig, rt: Runtime, accums: list[int], warmup: int,
+               steps: int | Callable[[int], int], compile_backend: str = "inductor") -> list[Measured]:
+    """One side by its name: "nanopt" or one of BASELINES."""
+    if name == "nanopt":
+        return bench_nanopt(run, rt, accums, warmup, steps)
+    backend = None if name == "nanogpt-eager" else compile_backend
+    return bench_baseline(run, rt, accums, warmup, steps, backend)
 
 
 def commit() -> str:
@@ -131,49 +204,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", default="runs/gpt2-small", help="run directory whose model.json / train.json to use")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: train.json's micro_batch_size")
+    parser.add_argument("--accum", type=int, nargs="+", default=[1],
+                        help="micro-batches per optimizer step, each timed (e.g. 1 16)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side; the best counts")
-    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
+                        help="baselines to measure beside nanopt (none: nanopt alone)")
     args = parser.parse_args()
 
     run = load_run(args.run)
-    args.micro_batch = args.micro_batch or run.train.micro_batch_size
+    micro_batch = args.micro_batch or run.train.micro_batch_size
     compile_setting = {"auto": run.train.compile, "on": True, "off": False}[args.compile]
-    train_cfg = dataclasses.replace(run.train, micro_batch_size=args.micro_batch, compile=compile_setting,
-                                    global_batch_tokens=args.micro_batch * run.seq_len)
-    run = dataclasses.replace(run, train=train_cfg)
+    run = with_shape(run, micro_batch, compile_setting)
     rt = init_runtime(run.train.precision)
     peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
     fpt = flops_per_token(run.model, run.seq_len)
-    tokens = args.micro_batch * run.seq_len
 
     device_name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
     compiled = resolve_compile(compile_setting, rt.device)
     print(f"command : python {shlex.join(sys.argv)}")
     print(f"device  : {device_name}, torch {torch.__version__}, commit {commit()}, {rt.precision}, "
-          f"compile {'on' if compiled else 'off'} (nanopt only; the baseline is eager)")
-    print(f"shape   : {args.run}, micro-batch {args.micro_batch} x seq {run.seq_len}, {fpt / 1e9:.3f} GFLOP/token "
+          f"nanopt compile {'on' if compiled else 'off'}")
+    print(f"shape   : {args.run}, micro-batch {micro_batch} x seq {run.seq_len}, {fpt / 1e9:.3f} GFLOP/token "
           f"(PaLM), MFU against {peak_source}")
-    sides = {"nanopt": bench_nanopt} if args.skip_baseline else {"nanopt": bench_nanopt, "baseline": bench_baseline}
+    sides = ["nanopt", *args.baselines]
+    backend = "inductor" if rt.device.type == "cuda" else "eager"
     # Alternate the sides over several rounds and keep each side's best: on a shared machine the load changes
     # between measurements, and whichever side always ran first would otherwise pay for it.
-    rounds: dict[str, list[tuple[float, int]]] = {name: [] for name in sides}
+    best: dict[tuple[str, int], Measured] = {}
     for _ in range(args.rounds):
-        for name, bench in sides.items():
-            rounds[name].append(bench(run, rt, args))
-    results = {name: (min(r[0] for r in runs), max(r[1] for r in runs)) for name, runs in rounds.items()}
+        for name in sides:
+            for m in bench_side(name, run, rt, args.accum, args.warmup, args.steps, backend):
+                key = (name, m.accum)
+                if key not in best or m.seconds_per_step < best[key].seconds_per_step:
+                    best[key] = m
     print(f"rounds  : {args.rounds} alternating rounds of {args.steps} timed steps; best round per side")
-    for name, (seconds, peak) in results.items():
-        tps = tokens / seconds
-        utilization = mfu(tps, fpt, 1, peak_flops)
+    for (name, accum), m in best.items():
+        utilization = mfu(m.tokens_per_s, fpt, 1, peak_flops)
         mfu_text = f"{100 * utilization:.1f}%" if utilization is not None else (mfu_note(utilization, peak_flops)
                                                                                  or "-")
-        print(f"{name:9s}: {tps:12,.0f} tokens/s  MFU {mfu_text:>6s}  step {1000 * seconds:8.1f} ms  "
-              f"peak memory {peak / 2**30:6.2f} GiB")
-    if "baseline" in results:
-        print(f"ratio    : nanopt / baseline = {results['baseline'][0] / results['nanopt'][0]:.2f}x tokens/s")
+        print(f"{name:16s} accum {accum:3d}: {m.tokens_per_s:12,.0f} tokens/s  MFU {mfu_text:>6s}  "
+              f"step {1000 * m.seconds_per_step:8.1f} ms  peak memory {m.peak_bytes / 2**30:6.2f} GiB")
+    for accum in args.accum:
+        for name in args.baselines:
+            ratio = best[(name, accum)].seconds_per_step / best[("nanopt", accum)].seconds_per_step
+            print(f"ratio    : accum {accum}: nanopt / {name} = {ratio:.2f}x tokens/s")
 
 
 if __name__ == "__main__":
