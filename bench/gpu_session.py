@@ -186,13 +186,17 @@ def _forked(output: Path, work: Callable[[], None], new_session: bool = False) -
         os._exit(code)
 
 
-def start_nanopt(args: list[str], output: Path, log_recompiles: bool = False) -> int:
+def start_nanopt(args: list[str], output: Path, log_recompiles: bool = False, kill_at_batch: int | None = None) -> int:
     """`nanopt ARGS` as a process of its own, forked from this one (no second torch import), its stdout and stderr
-    into `output`; with `log_recompiles`, torch.compile's recompilations logged there (TORCH_LOGS=recompiles).
-    Returns its pid. The calling process must not have touched CUDA yet (a forked child could not use it)."""
+    into `output`; with `log_recompiles`, torch.compile's recompilations logged there (TORCH_LOGS=recompiles); with
+    `kill_at_batch` N, the process sends itself SIGKILL when training asks for its Nth batch (a kill at a known
+    step, with no race against a fast or a descheduled machine). Returns its pid. The calling process must not
+    have touched CUDA yet (a forked child could not use it)."""
     print(f"$ {shlex.join(['nanopt', *args])}" + ("  (TORCH_LOGS=recompiles)" if log_recompiles else ""), flush=True)
 
     def work() -> None:
+        if kill_at_batch is not None:
+            _kill_at_batch(kill_at_batch)
         if log_recompiles:
             import torch._logging
 
@@ -202,6 +206,22 @@ def start_nanopt(args: list[str], output: Path, log_recompiles: bool = False) ->
         nanopt_main(args)
 
     return _forked(output, work)
+
+
+def _kill_at_batch(n: int) -> None:
+    """In a forked child: SIGKILL this process when the training loader is asked for its nth batch."""
+    from nanopt.data import loader
+
+    original, calls = loader.TrainLoader.next_batch, [0]
+
+    def next_batch(self: Any) -> Any:
+        calls[0] += 1
+        if calls[0] >= n:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self)
+
+    loader.TrainLoader.next_batch = next_batch
 
 
 def fork_nanopt(args: list[str], output: Path, log_recompiles: bool = False) -> tuple[int, str]:
@@ -599,16 +619,12 @@ def step_resume(ctx: Context) -> None:
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code})")
     killed, args = _resume_run(ctx, "resume-killed", steps, interval, micro)
-    pid = start_nanopt([*args, "--resume", "none"], killed / "output.txt")
     kill_after = 2 * interval + 1  # the first checkpoint is surely complete by then
-    finished_first = False
-    while _last_logged_step(killed) < kill_after and not finished_first:
-        finished_first = os.waitpid(pid, os.WNOHANG)[0] != 0
-        time.sleep(0.01)
-    if not finished_first:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    killed_after = _last_logged_step(killed)
+    # Accumulation 1 on one rank: batch N is step N's, so the kill lands as step kill_after + 1 begins.
+    pid = start_nanopt([*args, "--resume", "none"], killed / "output.txt", kill_at_batch=kill_after + 1)
+    _, status = os.waitpid(pid, 0)
+    finished_first = os.waitstatus_to_exitcode(status) != -signal.SIGKILL
+    killed_after = _last_logged_step(killed) if finished_first else kill_after
     print(f"killed after step {killed_after}", flush=True)
     code, _ = fork_nanopt([*args, "--resume", "auto"], killed / "output.txt")
     if code != 0:
