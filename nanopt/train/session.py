@@ -101,6 +101,11 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     # before any costly work. The loader draws nothing from the RNGs seeded below.
     loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
                          rt.world_size, run.train.seed)
+    if rt.device.type == "cuda":
+        # The next micro-batch is read into pinned memory in a background thread while this one trains, so its
+        # copy to the GPU is a non-blocking DMA; on the CPU there is no device to overlap with. Set here, once, so
+        # training, find-batch, profile and preflight (which wrap this loader to time it) all read the same way.
+        loader.prefetch(pin_for=rt.device)
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)

@@ -27,11 +27,6 @@ def step(s: Session) -> tuple[float, float, bool]:
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
     set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
-    if s.rt.device.type == "cuda" and hasattr(s.loader, "prefetch"):
-        # The next micro-batch is read and pinned in a background thread while this one runs, so the copies below
-        # are non-blocking DMAs; on the CPU there is no device to overlap with. Idempotent: the loader keeps it on.
-        # (A loader of another kind, such as bench/bench_train.py's random tokens, is used as it is.)
-        s.loader.prefetch(pin_for=s.rt.device)
     for micro in range(s.accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
