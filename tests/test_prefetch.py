@@ -54,6 +54,7 @@ def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: P
     # Every batch after the first was read in the background, before it was asked for.
     assert ahead.stream.threads[0] == threading.current_thread().name
     assert all(name != threading.current_thread().name for name in ahead.stream.threads[1:]), ahead.stream.threads
+    ahead._read_ahead.future.result()  # the sixth read runs in the background: let it finish before counting
     assert len(ahead.stream.threads) == 6  # the five handed out, and the sixth read ahead
 
     # The position is that of the batches handed out, not of the one read ahead.
@@ -74,10 +75,16 @@ def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: P
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_batches_arrive_in_pinned_memory_on_a_gpu_host(tiny_dataset: Path):
-    loader = TrainLoader(TokenDataset.open(tiny_dataset), "train", SEQ, BATCH, ACCUM, rank=0, world_size=1, seed=3)
-    loader.prefetch(pin_for=torch.device("cuda", 0))
+def test_training_reads_batches_into_pinned_memory_on_a_gpu_host(tmp_path: Path, tiny_dataset: Path):
+    # Through build_session, which every command that steps (train, find-batch, profile, preflight) uses.
+    from trainhelp import make_run
+
+    from nanopt.config import load_run
+    from nanopt.runtime import init_runtime
+    from nanopt.train.session import build_session
+
+    session = build_session(load_run(make_run(tmp_path, tiny_dataset)), init_runtime("fp32"))
     for _ in range(3):
-        inputs, targets = loader.next_batch()
+        inputs, targets = session.loader.next_batch()
         assert inputs.is_pinned() and targets.is_pinned()
-    loader.close()
+    session.loader.close()
