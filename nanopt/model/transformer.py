@@ -125,8 +125,8 @@ CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBacken
 
 def cudnn_attention_by_default(device: torch.device) -> bool:
     """Whether training attention prefers cuDNN's SDPA kernel on this device: on Hopper (sm90), where it is reported
-    well ahead of the bundled FlashAttention-2, when this torch can reorder SDPA's backends."""
-    return device.type == "cuda" and _sdpa_takes_priority() and _is_hopper(device.index)
+    well ahead of the bundled FlashAttention-2 (taken only where this torch can reorder SDPA's backends)."""
+    return device.type == "cuda" and _is_hopper(device.index)
 
 
 # Properties of the installed torch and the machine: torch.compile takes their results as constants.

@@ -51,7 +51,6 @@ class PhaseClock:
     def __init__(self, started: float | None = None) -> None:
         self.started = process_start_time() if started is None else started
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.counts = dict.fromkeys(PHASES, 0)
         self.last: dict[str, float | None] = dict.fromkeys(PHASES)  # the latest one: steady state, past warm-up
         self.setup_done = False
 
@@ -62,7 +61,6 @@ class PhaseClock:
         """Setup is everything from the process start to now (called once, when the first step may begin)."""
         if not self.setup_done:
             self.seconds["setup"] = self.wall()
-            self.counts["setup"] = 1
             self.setup_done = True
 
     @contextmanager
@@ -73,11 +71,6 @@ class PhaseClock:
         finally:
             self.last[name] = time.perf_counter() - begun
             self.seconds[name] += self.last[name]
-            self.counts[name] += 1
-
-    def mean(self, name: str) -> float | None:
-        """The mean seconds of one `name` phase so far; None before the first."""
-        return self.seconds[name] / self.counts[name] if self.counts[name] else None
 
     def totals(self, wall: float) -> dict[str, float]:
         """Seconds per phase including `other`, adding up to `wall`, the session's wall time so far."""
@@ -207,6 +200,7 @@ class EvalShareWatch:
             return None
         self.warned = True
         return share, step_s
+
 
 def eval_advice(eval_s: float, step_s: float, run: Any) -> dict[str, Any]:
     """The eval_interval and eval_tokens that would each bring evaluation under EVAL_SHARE_WARNING of the time
