@@ -26,7 +26,7 @@ from trainhelp import HIDE_CUDA
 from nanopt.data.dataset import TokenDataset
 from nanopt.data.loader import eval_batches
 from nanopt.errors import DataError
-from nanopt.model.transformer import IGNORE_INDEX
+from nanopt.model.loss import IGNORE_INDEX
 
 SEQ_LEN = TINY_MODEL["max_position_embeddings"]  # 16
 UNEVEN_TOKENS = 1000  # 62.5 windows of 16: divides by neither seq_len nor micro-batch x ranks

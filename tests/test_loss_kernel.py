@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanopt.model.loss import chunked_cross_entropy
 from nanopt.model.loss_chunks import FULL_LOGITS_MAX_BYTES, MAX_CHUNK_BYTES, loss_chunk_rows
-from nanopt.model.transformer import chunked_cross_entropy
 
 ROWS, HIDDEN, VOCAB = 150, 32, 211
 

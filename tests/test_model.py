@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from nanopt.config import ModelConfig
 from nanopt.model.flops import count_params
-from nanopt.model.transformer import Transformer, chunked_cross_entropy
+from nanopt.model.loss import chunked_cross_entropy
+from nanopt.model.transformer import Transformer
 
 
 def tiny(architecture: str, **overrides) -> ModelConfig:

@@ -329,7 +329,7 @@ class EvalBatches(Sequence):
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         import torch
 
-        from nanopt.model.transformer import IGNORE_INDEX
+        from nanopt.model.loss import IGNORE_INDEX
 
         if not -self.count <= index < self.count:
             raise IndexError(index)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanopt.model.transformer import IGNORE_INDEX
+from nanopt.model.loss import IGNORE_INDEX
 from nanopt.runtime import Runtime, all_reduce_sum_
 
 

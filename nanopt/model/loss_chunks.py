@@ -1,4 +1,4 @@
-"""How the loss splits a micro-batch's rows into chunks: shared by the model (nanopt.model.transformer) and the
+"""How the loss splits a micro-batch's rows into chunks: shared by the loss (nanopt.model.loss) and the
 memory model (nanopt.model.memory), and free of torch so `nanopt estimate` stays fast.
 
 The loss never holds [rows, vocab] fp32 logits for backward: it works through chunks of rows and forms each
