@@ -13,6 +13,7 @@ own classes (DCP's metadata dataclasses, torch.Size, dtypes, paths), so a crafte
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import re
@@ -151,21 +152,42 @@ def _index(directory: Path) -> Any:
     return index
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    """Builds only what DCP's index is made of; any other global (os.system, builtins.eval, ...) is refused, so
-    reading a crafted `.metadata` cannot run code."""
+# Every global a DCP index may name, as exact (module, name) pairs: DCP's metadata dataclasses, its storage info,
+# torch.Size and dtypes, the layout helper, paths. Never a whole module and never a dotted name: a protocol-4 pickle
+# resolves "os.system" inside any module that imports os, so allowing a module would allow everything it reaches.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_INDEX_GLOBALS = frozenset({
+    *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+                                         "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
+                                         "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+})
 
-    _MODULES = {"torch.distributed.checkpoint.metadata"}
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+def _is_dtype_name(module: str, name: str) -> bool:
+    """("torch", "bfloat16") and the like: a plain attribute of torch that is a dtype (a value, not a callable)."""
+    return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # vars: no lazy __getattr__ import
+
+
+def index_global(module: str, name: str) -> Any:
+    """The object an index's (module, name) global names, if it is one of the exact pairs above; else refused."""
+    if not ((module, name) in _INDEX_GLOBALS or _is_dtype_name(module, name)):
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a shard index")
+    found = getattr(importlib.import_module(module), name, None)
+    if found is None:  # an older or newer torch without this class: the index cannot be one of its own
+        raise pickle.UnpicklingError(f"{module}.{name} does not exist in this torch")
+    return found
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds only what DCP's index is made of. Every opcode that names a global (GLOBAL, STACK_GLOBAL, the
+    extension registry's EXT1/2/4) comes through find_class, and persistent ids are refused by the base class, so
+    reading a crafted `.metadata` cannot reach os.system, builtins.eval or anything else that runs code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if (module in self._MODULES or (module, name) in self._NAMES
-                                                     or module == "torch") else None
-        if found is None or (module == "torch" and name != "Size" and not isinstance(found, torch.dtype)):
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a shard index")
-        return found
+        return index_global(module, name)
 
 
 def _index_checking_reader(directory: Path, index: Any) -> Any:
