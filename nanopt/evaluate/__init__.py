@@ -1,6 +1,7 @@
 """Evaluating trained checkpoints: held-out loss, perplexity and bits per byte on every rank, samples, and the
 comparison of runs.
 
-`loss.evaluate_loss` is also training's in-loop validation, so it imports nothing from nanopt.train; the rest
-reads checkpoints through nanopt.train.checkpoint. Never the CLI or rich (progress goes through `report.Progress`).
+The held-out loss itself is training's in-loop validation (nanopt.train.validation), so both score a split the
+same way; checkpoints are read through nanopt.train.checkpoint. Never the CLI or rich (progress goes through
+`report.Progress`).
 """

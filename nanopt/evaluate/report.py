@@ -29,7 +29,6 @@ from typing import Any
 from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
 from nanopt.errors import CheckpointError, ConfigError
-from nanopt.evaluate.loss import evaluate_loss
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
 from nanopt.model.flops import count_params
@@ -40,6 +39,7 @@ from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
 from nanopt.train.phases import newest_per_session
 from nanopt.train.resume import data_fingerprint
+from nanopt.train.validation import evaluate_loss
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU

@@ -2,7 +2,6 @@
 `find_batch` (real trial steps), `profile` (a traced window of real steps) and `preflight` (a few dozen real steps,
 checked and projected to the run's time and cost).
 
-Imports nanopt.train (find-batch, profile and preflight measure the session training builds), nanopt.evaluate.loss
-(preflight times training's in-loop validation, as nanopt.train does), nanopt.model, nanopt.runtime,
-nanopt.hardware and the contracts.
+Imports nanopt.train (find-batch, profile and preflight measure the session training builds, and preflight times
+its in-loop validation), nanopt.model, nanopt.runtime, nanopt.hardware and the contracts.
 """

@@ -54,9 +54,9 @@ preflight.json (`version` 1), one JSON object:
                                (as train.json gives them), world_size. A run whose settings differ makes the file
                                stale: `nanopt estimate` then does not use it and says which setting changed.
 
-Imports nanopt.train (the session measured), nanopt.evaluate.loss (training's in-loop validation, as nanopt.train
-does), nanopt.plan.find_batch and nanopt.plan.estimate, nanopt.model, nanopt.runtime and the contracts. Torch is
-imported inside the functions that run steps: `nanopt estimate` reads preflight.json through this module.
+Imports nanopt.train (the session measured and its in-loop validation), nanopt.plan.find_batch and
+nanopt.plan.estimate, nanopt.model, nanopt.runtime and the contracts. Torch is imported inside the functions that
+run steps: `nanopt estimate` reads preflight.json through this module.
 """
 
 from __future__ import annotations
@@ -374,8 +374,8 @@ def _collect_garbage() -> None:
 def _time_evaluation(session: Any) -> float:
     """One in-loop evaluation as nanopt.train.loop.maybe_eval times it: the validation slice and the loss on every
     rank (the loss chart drawn after it is not part of it)."""
-    from nanopt.evaluate.loss import evaluate_loss
     from nanopt.train.loop import validation_batches
+    from nanopt.train.validation import evaluate_loss
 
     started = time.perf_counter()
     evaluate_loss(session.prepared.model, session.rt, validation_batches(session))

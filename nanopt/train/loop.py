@@ -319,7 +319,7 @@ def validation_batches(s: Session) -> Any:
 
 
 def maybe_eval(s: Session) -> None:
-    from nanopt.evaluate.loss import evaluate_loss
+    from nanopt.train.validation import evaluate_loss
 
     interval, st = s.run.train.eval_interval, s.state
     due = interval and (st.step % interval == 0 or st.step == s.total_steps)
