@@ -21,6 +21,8 @@ from distributed import run_ranks
 from faulthelp import HANG_GUARD_S, Launcher
 from trainhelp import HIDE_CUDA, eval_losses, final_weights_hash, losses, make_run
 
+from nanopt.train import checkpoint as ckpt
+
 
 def train_in_rank(run: Path) -> dict[str, Any]:
     """What `nanopt train RUN` does in each torchrun worker, without the CLI's rendering: the run's summary."""
@@ -73,8 +75,8 @@ RESUME_TOL_CUDA = 1e-3
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_sigkill_during_step_13_then_resume_is_identical(tmp_path: Path, tiny_dataset: Path, launcher: Launcher,
-                                                         device: str):
+def test_sigkill_once_step_10_is_saved_then_resume_is_identical(tmp_path: Path, tiny_dataset: Path, launcher: Launcher,
+                                                                device: str):
     """Bit-identical losses, evaluations and weights on the CPU (the launcher hides any GPU). On CUDA (the gpu
     marker) the losses after the resume agree within RESUME_TOL_CUDA nats, the weights are not compared bit-wise."""
     gpu = device == "cuda"
@@ -82,12 +84,15 @@ def test_sigkill_during_step_13_then_resume_is_identical(tmp_path: Path, tiny_da
     killed = make_run(tmp_path, tiny_dataset, "killed")
     launcher.train(straight, gpu=gpu)
     child = launcher.start("train", killed, "--no-live", gpu=gpu)
+    # The kill waits for the checkpoint the resume needs (`latest` names step 10: the background save is complete),
+    # never for a step number: on a loaded machine step 12 can come before step 10's save is on disk.
     deadline = time.monotonic() + HANG_GUARD_S
-    while time.monotonic() < deadline and 12 not in _steps_so_far(killed):
-        time.sleep(0.01)
+    while time.monotonic() < deadline and not launcher.finished(child) and \
+            ckpt.read_pointer(killed / "checkpoints", "latest") != "step-000010":
+        time.sleep(0.005)
     os.kill(child.pid, signal.SIGKILL)
-    assert launcher.wait(child) == -signal.SIGKILL
-    assert 12 in _steps_so_far(killed) and 20 not in _steps_so_far(killed)
+    assert launcher.wait(child) == -signal.SIGKILL, "the run ended before it could be killed"
+    assert 10 in _steps_so_far(killed) and 20 not in _steps_so_far(killed)
     result = launcher.train(killed, gpu=gpu)
     assert "resumed from" in result.stderr and "step 10" in result.stderr
     a, b = losses(straight), losses(killed)
