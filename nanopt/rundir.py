@@ -7,7 +7,7 @@
       metrics.jsonl  loss.png         what training measured (see nanopt.train.metrics)
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
-      preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight)
+      preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight_record)
       tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
       on_exit.log                     the output of the train.json / --on-exit command, run after each session
       export/                         the default `nanopt export` destination

@@ -129,7 +129,7 @@ class _Progress:
 
 
 def _say_failures(r: dict[str, Any]) -> None:
-    from nanopt.plan.preflight import CHECK_LABELS
+    from nanopt.plan.preflight_report import CHECK_LABELS
 
     out = console(stderr=True)
     for name in r["failed"]:
@@ -213,7 +213,7 @@ def _projection_table(r: dict[str, Any]) -> Table:
 
 
 def _checks_table(r: dict[str, Any]) -> Table:
-    from nanopt.plan.preflight import CHECK_LABELS
+    from nanopt.plan.preflight_report import CHECK_LABELS
 
     table = Table(title="checks", title_justify="left", show_header=False)
     table.add_column("")

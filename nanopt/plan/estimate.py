@@ -5,8 +5,8 @@ table of `hardware` (or this machine's CPU, `--gpu cpu`) into one JSON-ready rep
 the changes that would make a run fit. Pure arithmetic: no torch.
 
 Throughput is assumed (an MFU of the device's peak) unless the run directory holds a preflight.json
-(nanopt.plan.preflight) measured with the run's current settings on the estimate's device and GPU count, and no
-MFU was given: then it is the measured tokens/s, and the report says so (`throughput_source`).
+(nanopt.plan.preflight_record) measured with the run's current settings on the estimate's device and GPU count,
+and no MFU was given: then it is the measured tokens/s, and the report says so (`throughput_source`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from nanopt.hardware import (
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
-from nanopt.plan.preflight import changed_setting, fingerprint, read_preflight
+from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
 
 # The MFU assumed without a measurement: a well-tuned dense run reaches 0.35-0.55; see bench/RESULTS.md.

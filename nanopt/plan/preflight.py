@@ -12,94 +12,33 @@ Time is measured as nanopt.train.phases charges it: setup from the process start
 step itself when compiled), the mean measured step, one in-loop evaluation and one
 checkpoint save; `phases.projected_seconds` turns them into the run's time per phase.
 
-preflight.json (`version` 1), one JSON object:
+The report and its checks are built by nanopt.plan.preflight_report; preflight.json's format is described, and the
+file read, by nanopt.plan.preflight_record.
 
-    key                        meaning
-    version, time, unix_time   format version; when it was measured (ISO 8601 UTC, and Unix seconds)
-    run                        the run directory
-    device                     name (as CUDA or the OS reports it); kind (the GPU table key, "cpu", or null for a
-                               GPU not in the table); world_size (ranks)
-    precision, compile         as resolved on this device ("bf16" / "fp32"; true / false)
-    micro_batch                size (measured); source ("train.json" or "find-batch"); train_json (the size
-                               train.json has); advice ("set micro_batch_size N" when find-batch picked another)
-    grad_accum                 micro-batches per optimizer step per rank
-    steps                      warmup (run first, not measured: torch.compile's first step is among them) and
-                               measured optimizer steps
-    step_time_s                mean seconds of a measured optimizer step (the slowest rank)
-    tokens_per_s               global_batch_tokens / step_time_s, over all ranks
-    mfu, mfu_note,             MFU (nanopt.model.flops.mfu) against the device's dense peak; on a CPU against the
-    peak_flops, peak_source    peak `nanopt estimate --gpu cpu` works out for this machine
-    loader_wait_share          time inside the loader's next_batch over step time, measured steps, worst rank
-    memory                     peak_bytes (the whole preflight); early_peak_bytes (after the first quarter of the
-                               measured steps); end_peak_bytes; growth (end / early - 1); measure
-    losses                     window; first_mean and last_mean (of the first and last `window` measured steps);
-                               measured (every measured step's loss, null where not finite)
-    eval_s, eval_first_s       one in-loop evaluation: a later one, and the first (which pays once, e.g. for
-                               compiling the evaluation); null with eval_interval 0
-    checkpoint_s               how long one checkpoint save blocks the step (copied to host memory, then written
-                               in the background as training does, into a scratch directory beside the run
-                               directory, waited for and removed afterwards)
-    setup_s                    process start (as `nanopt train` bills it) to the first step, a find-batch search
-                               excluded, plus the first step when compiled
-    projection                 seconds per phase (setup, train, eval, checkpoint) for the whole run; total_s;
-                               shares; the steps, evaluations and checkpoints counted; cost_usd per phase and
-                               total_cost_usd (null without a price); price_per_hour, price_source, devices
-    estimate                   what `nanopt estimate` assumes on this device: gpu, mfu, tokens_per_s,
-                               train_seconds, cost_usd, ratio (measured / assumed tokens_per_s and
-                               train_seconds); or a note saying why there is none
-    checks, ok, failed         loss_falls, memory_flat, loader_wait_small, each {ok, detail}; whether all passed;
-                               the names of those that did not
-    fingerprint                the settings that decide speed: model (model.json), seq_len, micro_batch_size,
-                               global_batch_tokens, precision, compile, activation_checkpointing, parallelism
-                               (as train.json gives them), world_size. A run whose settings differ makes the file
-                               stale: `nanopt estimate` then does not use it and says which setting changed.
-
-Imports nanopt.train (the session measured and its in-loop validation), nanopt.plan.find_batch and
-nanopt.plan.estimate, nanopt.model, nanopt.runtime and the contracts. Torch is imported inside the functions that
-run steps: `nanopt estimate` reads preflight.json through this module.
+Imports nanopt.train (the session measured and its in-loop validation), nanopt.plan.find_batch,
+nanopt.plan.preflight_report, nanopt.model, nanopt.runtime and the contracts. Torch is imported inside the
+functions that run steps.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError, NanoptError
-from nanopt.hardware import CPU, MAX_SIZE_BYTES, check_price_per_hour
-from nanopt.parsing import check_option, read_json, save_json
+from nanopt.hardware import MAX_SIZE_BYTES, check_price_per_hour
+from nanopt.parsing import check_option, save_json
+from nanopt.plan.preflight_report import Measured, build_report
 from nanopt.rundir import RunDir
 
-FORMAT_VERSION = 1
 MAX_PREFLIGHT_STEPS = 10_000  # a preflight of more steps is a typo: it would be the run itself
-
-# The checks. Losses: the mean of the last `window` measured steps must lie below the mean of the first `window` by
-# more than LOSS_NOISE_Z standard errors of that difference, so batch-to-batch noise over a flat loss (a learning
-# rate far too small) does not pass for learning; the window grows with the steps measured, up to LOSS_WINDOW.
-# A schedule still warming up only lowers the learning rate, never reverses the fall.
-LOSS_WINDOW = 10
-LOSS_NOISE_Z = 2.0
-# Memory: the peak at the end of the measured steps may exceed the peak after their first quarter by this much (the
-# optimizer state exists from the first step on, so a growing peak is a leak, or fragmentation that will OOM later).
-MEMORY_GROWTH_LIMIT = 0.05
-# The loader: waiting for data past this share of the step time is throughput lost to input.
-LOADER_WAIT_LIMIT = 0.05
-
-CHECK_LABELS = {"loss_falls": "loss falls", "memory_flat": "memory is flat",
-                "loader_wait_small": "data-loader wait is small"}
-
-# Settings that decide a step's speed: a preflight.json measured with others is stale.
-SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "compile",
-                  "activation_checkpointing", "parallelism")
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): setup, warmup, steps, evaluation, checkpoint
 
@@ -124,103 +63,6 @@ class PreflightOptions:
                               "add --find-batch, or leave --max-memory out")
 
 
-# ---------------------------------------------------------------------------------------- the fingerprint
-
-
-def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
-    """The settings that decide the speed of a step, as JSON would give them back."""
-    train = run.train
-    settings = {"model": run.model.to_dict(), "seq_len": run.seq_len, "micro_batch_size": train.micro_batch_size,
-                "global_batch_tokens": train.global_batch_tokens, "precision": train.precision,
-                "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
-                "parallelism": train.parallelism, "world_size": world_size}
-    return json.loads(json.dumps(settings))
-
-
-def changed_setting(recorded: Any, current: dict[str, Any]) -> str | None:
-    """The first setting that differs between a preflight's fingerprint and the run's now, said for a person
-    ("micro_batch_size: 8 when measured, 4 now"); None when they match."""
-    if not isinstance(recorded, dict):
-        return "its fingerprint is missing"
-    for key in ("model", *SPEED_SETTINGS, "world_size"):
-        then, now = recorded.get(key), current[key]
-        if then == now:
-            continue
-        if key == "model":
-            names = sorted(k for k in {*then, *now} if then.get(k) != now.get(k)) if isinstance(then, dict) else []
-            return f"model.json {', '.join(names) or 'settings'} changed"
-        return f"{key}: {json.dumps(then)} when measured, {json.dumps(now)} now"
-    return None
-
-
-def read_preflight(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the run's preflight.json, None), (None, None) when there is none, or (None, why it cannot be used, without
-    the path): the fields `nanopt estimate` reads are checked, so a hand-edited or damaged file is a note, never a
-    crash."""
-    path = RunDir(run_dir).preflight_json
-    if not path.is_file():
-        return None, None
-    try:
-        data = read_json(path)
-    except NanoptError as exc:
-        return None, exc.message.removeprefix(f"{path}: ")
-    problem = _unreadable_field(data)
-    return (None, problem) if problem else (data, None)
-
-
-def _unreadable_field(data: Any) -> str | None:
-    from nanopt.hardware import GPUS
-
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-        return f"not a version {FORMAT_VERSION} preflight.json"
-    device, tokens_per_s = data.get("device"), data.get("tokens_per_s")
-    if not (isinstance(tokens_per_s, (int, float)) and math.isfinite(tokens_per_s) and tokens_per_s > 0):
-        return "no measured tokens_per_s"
-    if not (isinstance(device, dict) and isinstance(device.get("name"), str)
-            and (device.get("kind") is None or device.get("kind") in (CPU, *GPUS))
-            and type(device.get("world_size")) is int and device["world_size"] >= 1):
-        return "its device is not one nanopt describes"
-    for key, kind in (("time", str), ("fingerprint", dict), ("steps", dict), ("projection", dict), ("failed", list)):
-        if not isinstance(data.get(key), kind):
-            return f"its {key!r} is missing or not a {kind.__name__}"
-    return None
-
-
-# -------------------------------------------------------------------------------------------- the preflight
-
-
-@dataclass
-class Measured:
-    """What one rank measured (the slowest rank's figures once `_worst_of_ranks` has run)."""
-
-    micro_batch: dict[str, Any]
-    setup_s: float = 0.0
-    warmup_s: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    loader_wait_s: float = 0.0
-    peak_bytes: int = 0
-    early_peak_bytes: int = 0
-    end_peak_bytes: int = 0
-    diverged: str | None = None
-    skipped_steps: int = 0  # non-finite steps the optimizer skipped (warm-up included)
-    chance_loss: float = math.inf  # ln(vocab_size): the loss of a model that knows nothing
-    eval_s: float | None = None
-    eval_first_s: float | None = None
-    checkpoint_s: float = 0.0
-
-    @property
-    def mean_step_s(self) -> float:
-        return statistics.fmean(self.step_s or self.warmup_s)
-
-    @property
-    def loader_wait_share(self) -> float:
-        return min(1.0, self.loader_wait_s / max(sum(self.step_s), 1e-12))
-
-    @property
-    def memory_growth(self) -> float:
-        return self.end_peak_bytes / self.early_peak_bytes - 1 if self.early_peak_bytes else 0.0
 
 
 def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | None = None,
@@ -234,7 +76,7 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
     rt = init_runtime(run.train.precision)
     try:
         measured = _measure(run, rt, opts, billed_from + searching_s, micro_batch, on_progress or _silent)
-        report = _report(run, rt, opts, measured)
+        report = build_report(run, rt, opts.price_per_hour, measured)
         if rt.is_main:
             save_json(RunDir(run.run_dir).preflight_json, report)
         return report
@@ -444,189 +286,3 @@ def _worst_of_ranks(rt: Any, m: Measured) -> Measured:
         eval_first_s=worst(m.eval_first_s) if m.eval_first_s is not None else None,
         checkpoint_s=worst(m.checkpoint_s))
 
-
-# ---------------------------------------------------------------------------------------------- the report
-
-
-def _report(run: RunConfig, rt: Any, opts: PreflightOptions, m: Measured) -> dict[str, Any]:
-    from nanopt.runtime import device_name
-
-    device = {"name": device_name(rt.device), "kind": _device_kind(rt), "world_size": rt.world_size}
-    step_s = m.mean_step_s
-    tokens_per_s = run.train.global_batch_tokens / step_s
-    throughput = _throughput(run, rt, tokens_per_s)
-    projection = _projection(run, rt, opts, m, step_s)
-    checks = _checks(m)
-    now = time.time()
-    report = {
-        "version": FORMAT_VERSION,
-        "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "unix_time": round(now, 3), "run": str(run.run_dir), "device": device, "precision": rt.precision,
-        "compile": _compiled(run, rt), "micro_batch": m.micro_batch, "grad_accum": run.grad_accum_steps(rt.world_size),
-        "steps": {"warmup": len(m.warmup_s), "measured": len(m.step_s)},
-        "step_time_s": step_s, "tokens_per_s": tokens_per_s, **throughput,
-        "loader_wait_share": m.loader_wait_share,
-        "memory": {"peak_bytes": m.peak_bytes, "early_peak_bytes": m.early_peak_bytes,
-                   "end_peak_bytes": m.end_peak_bytes, "growth": m.memory_growth, "measure": _memory_measure(rt)},
-        "losses": _losses(m),
-        "eval_s": m.eval_s, "eval_first_s": m.eval_first_s, "checkpoint_s": m.checkpoint_s, "setup_s": m.setup_s,
-        "projection": projection,
-        "estimate": _estimate_comparison(run, device, projection, tokens_per_s),
-        "checks": checks, "ok": all(c["ok"] for c in checks.values()),
-        "failed": [name for name, c in checks.items() if not c["ok"]],
-        "fingerprint": fingerprint(run, rt.world_size),
-    }
-    return report
-
-
-def _device_kind(rt: Any) -> str | None:
-    """The device as `nanopt estimate --gpu` names it: a GPU table key, "cpu", or None for a GPU not in the table."""
-    if rt.device.type != "cuda":
-        return CPU
-    import torch
-
-    from nanopt.hardware import detect_gpu
-
-    gpu = detect_gpu(torch.cuda.get_device_name(rt.device))
-    return gpu.key if gpu else None
-
-
-def _compiled(run: RunConfig, rt: Any) -> bool:
-    from nanopt.train.parallel import resolve_compile
-
-    return resolve_compile(run.train.compile, rt.device)
-
-
-def _memory_measure(rt: Any) -> str:
-    return ("peak reserved GPU memory plus the CUDA context" if rt.device.type == "cuda"
-            else "peak resident memory of the process")
-
-
-def _throughput(run: RunConfig, rt: Any, tokens_per_s: float) -> dict[str, Any]:
-    """MFU against the device's dense peak (nanopt.runtime.device_peak_flops); on a CPU, against the peak
-    `nanopt estimate --gpu cpu` works out for this machine, so the two compare (all ranks share its cores)."""
-    from nanopt.hardware import cpu_peak
-    from nanopt.model.flops import flops_per_token, mfu, mfu_note
-    from nanopt.runtime import device_peak_flops
-
-    peak, source = device_peak_flops(rt.device, rt.precision)
-    devices = rt.world_size
-    if peak is None and rt.device.type != "cuda":
-        found = cpu_peak()
-        if found is not None:
-            peak, source, devices = found.flops, found.describe(), 1
-    utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), devices, peak)
-    return {"mfu": utilization, "mfu_note": mfu_note(utilization, peak), "peak_flops": peak, "peak_source": source}
-
-
-def _losses(m: Measured) -> dict[str, Any]:
-    window = _loss_window(len(m.losses))
-    finite = [x if math.isfinite(x) else None for x in m.losses]
-    first, last = m.losses[:window], m.losses[-window:]
-    return {"window": window, "first_mean": _finite_mean(first), "last_mean": _finite_mean(last),
-            "measured": finite}
-
-
-def _loss_window(count: int) -> int:
-    return max(1, min(LOSS_WINDOW, count // 3))
-
-
-def _finite_mean(values: list[float]) -> float | None:
-    mean = statistics.fmean(values) if values else math.nan
-    return mean if math.isfinite(mean) else None
-
-
-def _projection(run: RunConfig, rt: Any, opts: PreflightOptions, m: Measured, step_s: float) -> dict[str, Any]:
-    """The whole run's time per phase at the measured durations, and its cost at the run's price."""
-    from nanopt.runtime import device_price
-    from nanopt.train.phases import occasions, projected_seconds
-
-    seconds = projected_seconds(run, 0, step_s, m.eval_s, m.checkpoint_s, m.setup_s)
-    evals = occasions(run.train.eval_interval, 0, run.total_steps) if run.train.eval_interval else 0
-    if evals and m.eval_first_s is not None and m.eval_s is not None:
-        seconds["eval"] += m.eval_first_s - m.eval_s  # what the first evaluation pays once
-    total = sum(seconds.values())
-    price, price_source = device_price(rt.device, opts.price_per_hour if opts.price_per_hour is not None
-                                       else run.train.price_per_hour)
-    cost = None if price is None else {name: s / 3600 * rt.world_size * price for name, s in seconds.items()}
-    return {"seconds": seconds, "total_s": total,
-            "shares": {name: s / total if total else 0.0 for name, s in seconds.items()},
-            "steps": run.total_steps, "evaluations": evals,
-            "checkpoints": occasions(run.train.checkpoint_interval, 0, run.total_steps),
-            "cost_usd": cost, "total_cost_usd": None if cost is None else sum(cost.values()),
-            "price_per_hour": price, "price_source": price_source, "devices": rt.world_size}
-
-
-def _estimate_comparison(run: RunConfig, device: dict[str, Any], projection: dict[str, Any],
-                         tokens_per_s: float) -> dict[str, Any]:
-    """What `nanopt estimate` assumes for the same run on the same device, at its default MFU, and the ratios."""
-    from nanopt.plan.estimate import DEFAULT_MFU, EstimateOptions, estimate
-
-    kind, world = device["kind"], device["world_size"]
-    if kind is None:
-        return {"note": f"{device['name']} is not in nanopt's GPU table: estimate has no peak to assume from"}
-    if kind == CPU and world > 1:
-        return {"note": "nanopt estimate --gpu cpu describes one process on this machine, not several ranks"}
-    try:
-        assumed = estimate(run, EstimateOptions(gpu=kind, num_gpus=world, mfu=DEFAULT_MFU,
-                                                price_per_hour=projection["price_per_hour"]))
-    except ConfigError as exc:  # e.g. a CPU whose peak /proc/cpuinfo does not give
-        return {"note": f"nanopt estimate --gpu {kind}: {exc.message}"}
-    train_s = projection["seconds"]["train"]
-    return {"gpu": kind, "mfu": assumed["gpu"]["mfu"], "tokens_per_s": assumed["tokens_per_second"],
-            "train_seconds": assumed["train_seconds"], "cost_usd": assumed["cost_usd"],
-            "ratio": {"tokens_per_s": tokens_per_s / assumed["tokens_per_second"],
-                      "train_seconds": train_s / assumed["train_seconds"] if assumed["train_seconds"] else None}}
-
-
-# ---------------------------------------------------------------------------------------------- the checks
-
-
-def _checks(m: Measured) -> dict[str, dict[str, Any]]:
-    return {"loss_falls": _loss_check(m), "memory_flat": _memory_check(m), "loader_wait_small": _loader_check(m)}
-
-
-def _loss_check(m: Measured) -> dict[str, Any]:
-    if m.diverged:
-        return {"ok": False, "detail": f"{m.diverged}: lower learning_rate"}
-    if not m.losses:
-        return {"ok": False, "detail": "no measured step"}
-    window = _loss_window(len(m.losses))
-    first, last = m.losses[:window], m.losses[-window:]
-    if m.skipped_steps or not all(math.isfinite(x) for x in m.losses):
-        return {"ok": False, "detail": f"non-finite losses ({m.skipped_steps} step(s) skipped): lower learning_rate"}
-    if statistics.fmean(last) > 2 * m.chance_loss:  # falling or not, far worse than knowing nothing
-        return {"ok": False, "detail": f"loss {statistics.fmean(last):,.4g} is far above ln(vocab_size) = "
-                                       f"{m.chance_loss:.2f}, what a model that knows nothing scores: lower "
-                                       "learning_rate"}
-    drop = statistics.fmean(first) - statistics.fmean(last)
-    noise = math.sqrt((_variance(first) + _variance(last)) / window)
-    lr = f"learning rate up to {max(m.lrs):.3g}" if m.lrs else ""
-    said = (f"mean of the first {window} measured steps {statistics.fmean(first):.4f}, of the last {window} "
-            f"{statistics.fmean(last):.4f} ({lr})")
-    if drop > LOSS_NOISE_Z * noise and drop > 0:
-        return {"ok": True, "detail": said}
-    hint = ("it rose: learning_rate may be too high" if drop < 0 else
-            "no fall beyond the noise: learning_rate may be too low, or too few steps (--steps)")
-    return {"ok": False, "detail": f"{said}: {hint}"}
-
-
-def _variance(values: list[float]) -> float:
-    return statistics.variance(values) if len(values) > 1 else 0.0
-
-
-def _memory_check(m: Measured) -> dict[str, Any]:
-    growth = m.memory_growth
-    detail = (f"peak {_mib(m.early_peak_bytes)} after the first quarter of the measured steps, {_mib(m.end_peak_bytes)}"
-              f" at the end ({100 * growth:+.1f}%, limit +{100 * MEMORY_GROWTH_LIMIT:.0f}%)")
-    return {"ok": growth <= MEMORY_GROWTH_LIMIT, "detail": detail}
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
-
-
-def _loader_check(m: Measured) -> dict[str, Any]:
-    share = m.loader_wait_share
-    return {"ok": share < LOADER_WAIT_LIMIT,
-            "detail": f"{100 * share:.2f}% of the step time waiting for data (limit {100 * LOADER_WAIT_LIMIT:.0f}%)"}
