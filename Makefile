@@ -17,7 +17,7 @@ help:
 	@echo "make install   create .venv with nanopt, torch (CPU or CUDA build) and the dev tools"
 	@echo "make demo      tokenize the built-in corpus, train runs/demo on the CPU, evaluate it"
 	@echo "make test      run the test suite (CPU; GPU tests skip without CUDA)"
-	@echo "make lint      ruff"
+	@echo "make lint      ruff, and the import contract (.importlinter: each layer imports only from below)"
 	@echo "make bench     the benchmark scripts in bench/"
 
 install: $(VENV)/.installed
@@ -55,6 +55,7 @@ test: install
 
 lint: install
 	$(PY) -m ruff check nanopt tests bench
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) bench/bench_tokenize.py
