@@ -112,7 +112,7 @@ def render(r: dict[str, Any]) -> None:
     g = r["gpu"]
     on = g["name"] if g["key"] == CPU else f"{g['num_gpus']} x {g['name']}"
     title = f"nanopt estimate: {r['run'] or 'params only'} on {on}"
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=escape(title), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
     rows = [
@@ -143,7 +143,7 @@ def render(r: dict[str, Any]) -> None:
                                                  f"{h['fraction_of_chinchilla']:.2f} x Chinchilla, "
                                                  f"{fmt.money(h['cost_usd'])}"))
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))  # the run's name, preflight.json's device and time
     out.print(table)
     out.print(_memory_table(r))
     if r["parallelism"] is not None:

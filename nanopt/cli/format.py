@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console, RenderableType
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
@@ -137,5 +138,5 @@ def phase_table(t: dict[str, Any], title: str) -> Table:
     table.add_row("total without evaluation", duration(t["wall_seconds"] - t["phases"]["eval"]["seconds"]), "",
                   money(t["cost_excluding_eval_usd"]))
     if t.get("price_per_hour") is None and t.get("price_source"):
-        table.caption = f"no cost: {t['price_source']}"
+        table.caption = escape(f"no cost: {t['price_source']}")
     return table

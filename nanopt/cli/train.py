@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
@@ -177,8 +178,6 @@ def _restart_follows(error: BaseException | None) -> bool:
 
 
 def _print_hook_result(result: Any) -> None:
-    from rich.markup import escape
-
     prefix = "" if result.ok else "[yellow]warning:[/] "
     console(stderr=True).print(f"{prefix}on-exit: {escape(result.describe())}", soft_wrap=True)
 
@@ -197,7 +196,7 @@ def _sessions(t: dict[str, Any]) -> str:
 
 def _outcome_table(s: dict[str, Any]) -> Table:
     status = "complete" if s["completed"] else f"stopped at step {s['steps']} of {s['total_steps']}"
-    table = Table(title=f"nanopt train: {s['run']} ({status})", show_header=False, title_justify="left")
+    table = Table(title=escape(f"nanopt train: {s['run']} ({status})"), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
     mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else (s["mfu_note"] or "- (no known GPU peak)")
@@ -210,7 +209,7 @@ def _outcome_table(s: dict[str, Any]) -> Table:
             ("skipped non-finite steps", str(s["skipped_steps"])),
             ("latest checkpoint", s["latest_checkpoint"] or "-"), ("best checkpoint", s["best_checkpoint"] or "-")]
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))  # the run's and its checkpoints' paths
     return table
 
 

@@ -33,6 +33,7 @@ from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
 from nanopt.plan.preflight import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
+from nanopt.shown import shell_word
 
 # The MFU assumed without a measurement: a well-tuned dense run reaches 0.35-0.55; see bench/RESULTS.md.
 DEFAULT_MFU = 0.40
@@ -223,8 +224,8 @@ def _unusable(run: RunConfig, found: dict[str, Any] | None, problem: str | None,
                 f"{num_gpus} x {key}: throughput assumed at MFU {DEFAULT_MFU:g}")
     changed = changed_setting(found["fingerprint"], fingerprint(run, num_gpus))
     if changed is not None:
-        return (f"{path} is stale ({changed}): run `nanopt preflight {run.run_dir}` again to measure the run as it "
-                f"is; throughput assumed at MFU {DEFAULT_MFU:g}")
+        return (f"{path} is stale ({changed}): run `nanopt preflight {shell_word(run.run_dir)}` again to measure the "
+                f"run as it is; throughput assumed at MFU {DEFAULT_MFU:g}")
     return None
 
 
