@@ -19,6 +19,7 @@ import shlex
 # UTF-8 terminal stream cannot even encode them).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _KEPT_IN_LINES = "\n\t"
+_SHORT = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}  # as Python writes them
 
 
 def shell_word(value: object) -> str:
@@ -37,4 +38,4 @@ def _escape(char: str, lines: bool) -> str:
     if lines and char in _KEPT_IN_LINES:
         return char
     code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return _SHORT.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
