@@ -8,6 +8,7 @@ Each case runs the real CLI (a subprocess, or a process forked by the warm launc
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shlex
@@ -17,9 +18,11 @@ from pathlib import Path
 import pytest
 from clihelp import assert_user_error, run_cli
 from faulthelp import Launcher, tiny_run
+from rich.text import Text
 from trainhelp import make_run
 
 from nanopt.cli import format as fmt
+from nanopt.cli.terminal import SafeConsole
 from nanopt.shown import printable, shell_word
 
 # What a crafted value tries: set the window title (OSC), erase the line (CSI), a one-byte CSI (C1), reverse the
@@ -58,6 +61,14 @@ def test_printable_escapes_controls_and_keeps_ordinary_text():
     assert shown.startswith("\\x1b]0;pwned\\x07\\x1b[2K\\x9b1A\\u202e[red]x[/red]")
     assert printable("é 中文 🙂 tab\there") == "é 中文 🙂 tab\\there"
     assert printable("two\nlines\tand a tab", lines=True) == "two\nlines\tand a tab"
+
+
+def test_the_console_escapes_text_that_rich_builds_itself():
+    """A Text rendered without render_str (as a progress bar's columns are, on a terminal) is escaped on its way out."""
+    out = io.StringIO()
+    SafeConsole(file=out, force_terminal=True, color_system=None, width=200).print(Text(EVIL))
+    assert not any(char in out.getvalue() for char in RAW)
+    assert "\\x1b[2K" in out.getvalue()
 
 
 # --------------------------------------------------------------------------- paths in suggested commands
