@@ -129,7 +129,7 @@ def _progress():
         def phase(self, description: str) -> None:
             if self.task is not None:
                 bar.stop_task(self.task)
-            self.task = bar.add_task(description, total=None, rate="")
+            self.task = bar.add_task(escape(description), total=None, rate="")  # may name a tokenizer path
             self.started = time.monotonic()
 
         def update(self, documents: int, tokens: int, fraction: float | None) -> None:
