@@ -108,7 +108,7 @@ def roll_back(s: Session, reason: str, first_bad: int, loss: float, what: str) -
     # The loss of step k is measured on the weights step k - 1 left, and the checkpoint of step k - 1 holds them.
     target = _checkpoint_before(s, first_bad - 1)
     if target is None and first_bad <= 2:  # the weights it needs are the initial ones, which are never saved
-        raise nothing_to_roll_back(s, what, first_bad)
+        raise _nothing_to_roll_back(s, what, first_bad)
     if target is None:
         raise diverged(s, f"{what}, and no complete checkpoint from step {first_bad - 2} or earlier to roll back to")
     spike_step, loader_step, recoveries = st.step, s.loader.step, st.recoveries + 1
@@ -130,7 +130,7 @@ def roll_back(s: Session, reason: str, first_bad: int, loss: float, what: str) -
                     f"back over {cfg.recovery_lr_steps} steps")
 
 
-def nothing_to_roll_back(s: Session, what: str, first_bad: int) -> TrainingDiverged:
+def _nothing_to_roll_back(s: Session, what: str, first_bad: int) -> TrainingDiverged:
     """The trouble began at step 1 or 2: the weights from before it are the initial ones, which no checkpoint holds.
     At step 1 the loss and gradient are the initial weights' own: no learning rate has acted yet."""
     if first_bad > 1:
