@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from nanopt.cli.rank_errors import hand_to_launcher
+from nanopt.cli.terminal import SafeConsole
 from nanopt.errors import DistributedError, NanoptError
 from nanopt.runtime import ranks
+from nanopt.shown import printable
 
 app = typer.Typer(
     name="nanopt",
@@ -59,9 +60,10 @@ def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=Tru
     """Options of `nanopt` itself, before the command (the app's help text above describes it)."""
 
 
-def console(stderr: bool = False) -> Console:
-    """Human output goes to stdout; progress bars and logs to stderr so `--json` stdout stays parseable."""
-    return Console(stderr=stderr, highlight=False)
+def console(stderr: bool = False) -> SafeConsole:
+    """Human output goes to stdout; progress bars and logs to stderr so `--json` stdout stays parseable. Text from
+    files cannot drive the terminal through it (nanopt.cli.terminal)."""
+    return SafeConsole(stderr=stderr)
 
 
 def print_json(data: Any) -> None:
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             _report(_usage_error(exc))
         _leave(exc.exit_code)
     except KeyboardInterrupt:
-        Console(stderr=True).print("interrupted")
+        console(stderr=True).print("interrupted")
         _leave(130)
     _leave(code if isinstance(code, int) else 0)
 
@@ -171,8 +173,8 @@ def _report(exc: NanoptError) -> None:
     if here.rank and isinstance(exc, DistributedError):
         return
     prefix = f"rank {here.rank}: " if here.rank else ""
-    Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"[bold red]error:[/] {escape(prefix + exc.one_line())}", markup=True)
+    # printable: the message names files and values from them; a newline or ESC in one stays on this one line.
+    console(stderr=True).print(f"[bold red]error:[/] {escape(printable(prefix + exc.one_line()))}", soft_wrap=True)
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:

@@ -112,7 +112,7 @@ def render(r: dict[str, Any]) -> None:
     g = r["gpu"]
     on = g["name"] if g["key"] == CPU else f"{g['num_gpus']} x {g['name']}"
     title = f"nanopt estimate: {r['run'] or 'params only'} on {on}"
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=escape(title), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
     rows = [
@@ -122,7 +122,7 @@ def render(r: dict[str, Any]) -> None:
         ("FLOPs / token (6N)", fmt.sci(r["flops_per_token_6n"])),
         ("Chinchilla-optimal tokens", f"{fmt.count(r['chinchilla_tokens'])} "
                                       f"({r['chinchilla_tokens_per_param']:g} per parameter)"),
-        ("train tokens", f"{fmt.count(r['train_tokens'])} = {r['train_tokens_vs_chinchilla']:.2f} x Chinchilla"),
+        ("train tokens", f"{fmt.count(r['train_tokens'])} = {fmt.ratio(r['train_tokens_vs_chinchilla'])} x Chinchilla"),
         ("optimizer steps", fmt.exact(r["optimizer_steps"])),
         ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
         ("total training FLOPs", fmt.sci(r["total_flops"])),
@@ -140,10 +140,10 @@ def render(r: dict[str, Any]) -> None:
     if r["hours"]:
         h = r["hours"]
         rows.append((f"in {h['hours']:g} hours", f"{fmt.count(h['tokens'])} tokens = "
-                                                 f"{h['fraction_of_chinchilla']:.2f} x Chinchilla, "
+                                                 f"{fmt.ratio(h['fraction_of_chinchilla'])} x Chinchilla, "
                                                  f"{fmt.money(h['cost_usd'])}"))
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))  # the run's name, preflight.json's device and time
     out.print(table)
     out.print(_memory_table(r))
     if r["parallelism"] is not None:

@@ -94,7 +94,7 @@ def find_batch_command(
         report["written"] = write_micro_batch(run_dir, report, pick)
         if not as_json:
             w = report["written"]
-            console().print(f"[bold]{w['path']}[/]: micro_batch_size {w['old']} -> {w['new']} ({pick})")
+            console().print(f"[bold]{escape(w['path'])}[/]: micro_batch_size {w['old']} -> {w['new']} ({pick})")
     if as_json:
         print_json(report)
 
@@ -183,7 +183,7 @@ def _result_table(r: dict[str, Any]) -> Table:
     ]
     for label, value in rows:
         table.add_row(label, escape(value))
-    table.caption = c.get("note", "")
+    table.caption = escape(c.get("note", ""))
     return table
 
 

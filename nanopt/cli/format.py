@@ -6,21 +6,30 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console, RenderableType
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
+
+# Past these, a number is shown in scientific notation (or as a bound), never as 20 or 40 digits: an estimate with
+# an absurd option (a peak of 1e-300 TFLOP/s) or a hand-edited file must not print a wall of digits.
+LARGE = 1e15
+YEAR_S = 365.25 * 86_400
+MAX_YEARS = 1000
 
 
 def count(n: float | None) -> str:
     if n is None:
         return "-"
+    if abs(n) >= LARGE:
+        return f"{n:.2e}"
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
-    return f"{n:,.0f}"
+    return f"{n:,.0f}" if n == 0 or abs(n) >= 1 else f"{n:.2g}"  # 0.0017 tokens/s, not 0
 
 
 def exact(n: int | None) -> str:
-    return "-" if n is None else f"{n:,}"
+    return "-" if n is None else f"{n:,}" if abs(n) < LARGE else f"{n:.2e}"
 
 
 def sci(x: float | None) -> str:
@@ -30,7 +39,9 @@ def sci(x: float | None) -> str:
 def size(n: float | None) -> str:
     if n is None:
         return "-"
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if abs(n) >= LARGE * (1 << 10):
+        return f"{n:.2e} B"
+    for unit, factor in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= factor:
             return f"{n / factor:.2f} {unit}"
     return f"{n:.0f} B"
@@ -41,6 +52,10 @@ def duration(seconds: float | None) -> str:
         return "-"
     if seconds < 60:
         return f"{seconds:.1f}s"
+    if seconds >= MAX_YEARS * YEAR_S:
+        return f"> {MAX_YEARS} years"
+    if seconds >= YEAR_S:
+        return f"{seconds / YEAR_S:.1f} years"
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     days, hours = divmod(hours, 24)
@@ -53,11 +68,18 @@ def money(usd: float | None) -> str:
     """Dollars and cents; below ten cents four decimals, so a short run on a cheap machine is not "$0.00"."""
     if usd is None:
         return "-"
+    if abs(usd) >= LARGE:
+        return f"${usd:.2e}"
     return f"${usd:.4f}" if 0 < abs(usd) < 0.1 else f"${usd:,.2f}"
 
 
 def percent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+    return "-" if x is None else f"{100 * x:.1f}%" if abs(x) < LARGE else f"{100 * x:.2e}%"
+
+
+def ratio(x: float) -> str:
+    """A multiple such as 1.37 (x Chinchilla), in scientific notation when it is huge."""
+    return f"{x:.2f}" if abs(x) < LARGE else f"{x:.2e}"
 
 
 # ------------------------------------------------------------------------------------- tables that fit the width
@@ -137,5 +159,5 @@ def phase_table(t: dict[str, Any], title: str) -> Table:
     table.add_row("total without evaluation", duration(t["wall_seconds"] - t["phases"]["eval"]["seconds"]), "",
                   money(t["cost_excluding_eval_usd"]))
     if t.get("price_per_hour") is None and t.get("price_source"):
-        table.caption = f"no cost: {t['price_source']}"
+        table.caption = escape(f"no cost: {t['price_source']}")
     return table

@@ -14,6 +14,7 @@ from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, 
 from nanopt.cli.find_batch import seconds
 from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_asked
 from nanopt.runtime import ranks, under_torchrun
+from nanopt.shown import shell_word
 
 EPILOG = """
 Examples:
@@ -147,9 +148,9 @@ def render(r: dict[str, Any]) -> None:
     if advice:
         out.print(f"[bold]find-batch picked micro-batch {r['micro_batch']['size']}[/] (train.json has "
                   f"{r['micro_batch']['train_json']}): {escape(advice)} in train.json (or `nanopt find-batch "
-                  f"{escape(r['run'])} --write`) to train as measured", soft_wrap=True)
-    out.print(f"saved {escape(str(Path(r['run']) / 'preflight.json'))}: `nanopt estimate {escape(r['run'])}` "
-              "uses its measured throughput", soft_wrap=True)
+                  f"{escape(shell_word(r['run']))} --write`) to train as measured", soft_wrap=True)
+    out.print(f"saved {escape(str(Path(r['run']) / 'preflight.json'))}: `nanopt estimate "
+              f"{escape(shell_word(r['run']))}` uses its measured throughput", soft_wrap=True)
 
 
 def _title(r: dict[str, Any]) -> str:
@@ -173,7 +174,7 @@ def _comparison_table(r: dict[str, Any]) -> Table:
     table.add_row("MFU", _mfu(r), fmt.percent(e["mfu"]) if assumed else "-", "")
     table.add_row("training steps", fmt.duration(p["seconds"]["train"]),
                   fmt.duration(e["train_seconds"]) if assumed else "-", _ratio(ratio.get("train_seconds")))
-    table.caption = escape(f"estimate: `nanopt estimate --gpu {e['gpu']}` at its default MFU" if assumed
+    table.caption = escape(f"estimate: `nanopt estimate --gpu {shell_word(e['gpu'])}` at its default MFU" if assumed
                            else e["note"]) + escape(f". MFU against {r['peak_source']}")
     return table
 

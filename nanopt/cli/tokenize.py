@@ -129,7 +129,7 @@ def _progress():
         def phase(self, description: str) -> None:
             if self.task is not None:
                 bar.stop_task(self.task)
-            self.task = bar.add_task(description, total=None, rate="")
+            self.task = bar.add_task(escape(description), total=None, rate="")  # may name a tokenizer path
             self.started = time.monotonic()
 
         def update(self, documents: int, tokens: int, fraction: float | None) -> None:
@@ -157,7 +157,7 @@ def _progress():
 
 def render(s: dict[str, Any]) -> None:
     out = console()
-    table = Table(title=f"nanopt tokenize: {s['out']}", title_justify="left")
+    table = Table(title=escape(f"nanopt tokenize: {s['out']}"), title_justify="left")
     for name in ("split", "documents", "tokens", "mean doc", "median doc", "bytes/token", "shards"):
         table.add_column(name, justify="left" if name == "split" else "right")
     for name, info in s["splits"].items():
@@ -167,8 +167,8 @@ def render(s: dict[str, Any]) -> None:
     table.add_row("total", fmt.exact(s["documents"]), fmt.exact(s["tokens"]), "", "", "", "", style="bold")
     out.print(table)
     tok = s["tokenizer"]
-    out.print(f"tokenizer: {tok['source']} ({tok['model']}, vocab {s['vocab_size']:,}, EOS {tok['eos_token']!r} = "
-              f"id {tok['eos_id']}), shards: {s['dtype']}")
+    out.print(escape(f"tokenizer: {tok['source']} ({tok['model']}, vocab {s['vocab_size']:,}, EOS "
+                     f"{tok['eos_token']!r} = id {tok['eos_id']}), shards: {s['dtype']}"))
     budget = "  (stopped at --max-tokens)" if s["stopped_at_budget"] else ""
     out.print(f"document lengths in tokens; time {fmt.duration(s['seconds'])} (tokenizing "
               f"{fmt.duration(s['tokenize_seconds'])}: {fmt.count(s['tokens_per_second'])} tokens/s, "

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
+from nanopt.cli.rank_errors import ERROR_DIR_ENV
 from nanopt.cli.train_display import Display
 from nanopt.hardware import check_price_per_hour
+from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
+from nanopt.shown import printable
 
 EPILOG = """
 Examples:
@@ -97,7 +102,7 @@ def train_command(
     with hook:  # a train.json that cannot be read still runs the --on-exit command
         check_price_per_hour(price_per_hour)
         run = load_run_config(run_dir, sets, {"price_per_hour": price_per_hour, "on_exit": on_exit})
-        hook.configure(run)
+        hook.configure(run, from_file=on_exit is None and "on_exit" not in parse_overrides(sets or []))
         if not under_torchrun():
             # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
             run.grad_accum_steps(nproc_per_node * nnodes)
@@ -138,9 +143,15 @@ class _ExitHook:
         self.timeout_s: float = TrainConfig.on_exit_timeout_s  # the default, until then
         self.total_steps: int | None = None
 
-    def configure(self, run: Any) -> None:
+    def configure(self, run: Any, from_file: bool) -> None:
+        """The command and its timeout as the run's config has them. One that came from train.json rather than the
+        command line is said before it can run (before the first step): it is the one command from a file nanopt
+        runs, and a run directory may come from someone else."""
         self.command, self.timeout_s = run.train.on_exit, run.train.on_exit_timeout_s
         self.total_steps = run.total_steps
+        if self.command and from_file and _says_what_runs():
+            console(stderr=True).print("on_exit (from train.json) runs through the shell when this training ends: "
+                                       f'"{escape(printable(self.command))}"', soft_wrap=True)
 
     def __enter__(self) -> _ExitHook:
         return self
@@ -165,6 +176,12 @@ class _ExitHook:
         _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
 
 
+def _says_what_runs() -> bool:
+    """Rank 0 of a plain torchrun, or the process that starts nanopt's own torchrun (its ranks say nothing of it):
+    one announcement per run, before any rank runs a step."""
+    return ranks().is_main and not os.environ.get(ERROR_DIR_ENV)
+
+
 def _restart_follows(error: BaseException | None) -> bool:
     """Whether torchrun restarts the ranks after this rank's failure (--max-restarts; see
     nanopt.cli.launch.worth_a_restart): then the run goes on, and the hook waits for its end. A lost contact or a
@@ -177,8 +194,6 @@ def _restart_follows(error: BaseException | None) -> bool:
 
 
 def _print_hook_result(result: Any) -> None:
-    from rich.markup import escape
-
     prefix = "" if result.ok else "[yellow]warning:[/] "
     console(stderr=True).print(f"{prefix}on-exit: {escape(result.describe())}", soft_wrap=True)
 
@@ -197,7 +212,7 @@ def _sessions(t: dict[str, Any]) -> str:
 
 def _outcome_table(s: dict[str, Any]) -> Table:
     status = "complete" if s["completed"] else f"stopped at step {s['steps']} of {s['total_steps']}"
-    table = Table(title=f"nanopt train: {s['run']} ({status})", show_header=False, title_justify="left")
+    table = Table(title=escape(f"nanopt train: {s['run']} ({status})"), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
     mfu = fmt.percent(s["mfu"]) if s["mfu"] is not None else (s["mfu_note"] or "- (no known GPU peak)")
@@ -210,7 +225,7 @@ def _outcome_table(s: dict[str, Any]) -> Table:
             ("skipped non-finite steps", str(s["skipped_steps"])),
             ("latest checkpoint", s["latest_checkpoint"] or "-"), ("best checkpoint", s["best_checkpoint"] or "-")]
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, escape(value))  # the run's and its checkpoints' paths
     return table
 
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from nanopt.cli import format as fmt
+from nanopt.cli.terminal import SafeConsole
+from nanopt.shown import printable
 
 
 class Display:
     def __init__(self, live: bool = True) -> None:
-        self.console = Console(stderr=True, highlight=False)
+        self.console = SafeConsole(stderr=True)
         self.live = live and self.console.is_terminal
         self.progress: Progress | None = None
         self.task = None
@@ -40,7 +41,8 @@ class Display:
             self.progress.update(self.task, completed=step)
 
     def note(self, text: str) -> None:
-        self.console.print(text, markup=False, soft_wrap=True)
+        # One line each: a note may name a path or quote a value from train.json.
+        self.console.print(printable(text), markup=False, soft_wrap=True)
 
     def log(self, r: dict[str, Any], total_steps: int) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else (r.get("mfu_note") or "-")

@@ -32,6 +32,7 @@ import numpy as np
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file, token_dtype
 from nanopt.errors import DataError
 from nanopt.parsing import path_kind
+from nanopt.shown import shell_word
 
 if TYPE_CHECKING:
     from nanopt.config import RunConfig
@@ -44,7 +45,7 @@ VerifyProgress = Callable[[int, int], None]
 
 
 def retokenize_hint(path: Path) -> str:
-    return f"re-create it: `nanopt tokenize SOURCE --out {path} --force` (no SOURCE: the built-in corpus)"
+    return f"re-create it: `nanopt tokenize SOURCE --out {shell_word(path)} --force` (no SOURCE: the built-in corpus)"
 
 
 def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES) -> TokenDataset:
@@ -63,7 +64,7 @@ def _missing_data_hint(run: RunConfig) -> str:
         # Written before data paths were relative to the run directory: it is there from the current directory.
         return (f"the dataset is at {data} from the current directory: write \"data\": "
                 f"\"{os.path.relpath(data, run.run_dir)}\" (or an absolute path) in train.json")
-    return f"make it with `nanopt tokenize SOURCE --out {run.data_dir}`, or correct 'data' in train.json"
+    return f"make it with `nanopt tokenize SOURCE --out {shell_word(run.data_dir)}`, or correct 'data' in train.json"
 
 
 class TokenDataset:
@@ -85,7 +86,7 @@ class TokenDataset:
         """Every cheap check, and every shard's sha256 when the shards total at most `verify_up_to_bytes` (see the
         module docstring for what each costs); DataError naming the first file that does not match meta.json."""
         path = Path(path)
-        make_it = f"make it with `nanopt tokenize SOURCE --out {path}` (no SOURCE: the built-in corpus)"
+        make_it = f"make it with `nanopt tokenize SOURCE --out {shell_word(path)}` (no SOURCE: the built-in corpus)"
         kind = path_kind(path, DataError, "give the dataset directory made by `nanopt tokenize`, e.g. data/stdlib")
         if kind == "file":
             raise DataError(f"{path}: is a file, not a directory (a dataset is a directory)",

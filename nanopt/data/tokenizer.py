@@ -19,6 +19,7 @@ from typing import Any
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.parsing import check_option
+from nanopt.shown import shell_word
 
 ENDOFTEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge
@@ -178,7 +179,7 @@ def find_eos(tokenizer: Any, source: str, requested: str | None = None,
     why = f"; {chat[0]} ends a chat turn, not a document" if chat else ""
     raise DataError(f"cannot tell which token ends a document in tokenizer {source} "
                     f"(special tokens: {specials[:12] or 'none'}){why}",
-                    f"name it with --eos-token TOKEN, e.g. --eos-token '{chat[0] if chat else '</s>'}'")
+                    f"name it with --eos-token TOKEN, e.g. --eos-token {shell_word(chat[0] if chat else '</s>')}")
 
 
 def _special_tokens(tokenizer: Any) -> list[str]:

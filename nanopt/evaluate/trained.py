@@ -24,6 +24,7 @@ from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import from_dict, path_kind
+from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint, load_weights, resolve
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
@@ -87,7 +88,7 @@ def _dataset_directory(data: Path, ckpt: Checkpoint) -> Path:
     if path_kind(data, DataError, DATASET_HINT) == "file":
         holder = data.parent
         if is_dataset(holder):
-            hint = f"pass the dataset directory that holds it: --data {holder}"
+            hint = f"pass the dataset directory that holds it: --data {shell_word(holder)}"
         elif ckpt.tokenizer_path is not None:
             hint = f"{DATASET_HINT}, or leave --data out: {ckpt.path.name} carries its tokenizer"
         else:
@@ -105,7 +106,7 @@ def _no_dataset(run: RunConfig, ckpt: Checkpoint) -> DataError:
                          "pass --data DIR, a dataset made with the run's tokenizer")
     return DataError(f"{run.run_dir}: the test loss needs a dataset, and {where}",
                      f"pass --data DIR, a dataset made with the run's tokenizer (`nanopt tokenize SOURCE --tokenizer "
-                     f"{ckpt.tokenizer_path} --out DIR`), or --no-loss for samples only")
+                     f"{shell_word(ckpt.tokenizer_path)} --out DIR`), or --no-loss for samples only")
 
 
 def check_run_directory(run_dir: Path) -> None:
@@ -180,11 +181,12 @@ def _another_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset, 
         return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on: it was "
                          f"re-made since training ({difference})",
                          f"re-create it with the run's original tokenizer.json: `nanopt tokenize SOURCE --tokenizer "
-                         f"{ckpt.tokenizer_path or 'ORIGINAL/tokenizer.json'} --out DIR`, then pass --data DIR")
+                         f"{shell_word(ckpt.tokenizer_path or 'ORIGINAL/tokenizer.json')} --out DIR`, then pass "
+                         "--data DIR")
     return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on "
                      f"({trained_path}): {difference}",
                      f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
-                     f"{original} --out DIR`, then pass --data DIR")
+                     f"{shell_word(original)} --out DIR`, then pass --data DIR")
 
 
 def load_model(trained: TrainedModel, device: torch.device) -> Transformer:

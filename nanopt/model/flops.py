@@ -80,7 +80,8 @@ def flops_per_token_6n(cfg: ModelConfig) -> int:
 
 
 def chinchilla_tokens(params: int, tokens_per_param: float = CHINCHILLA_TOKENS_PER_PARAM) -> int:
-    return int(round(params * tokens_per_param))
+    # At least one token: a budget is compared as a multiple of it (a 1-parameter model at 0.1 tokens each).
+    return max(1, int(round(params * tokens_per_param)))
 
 
 def train_seconds(total_flops: float, num_gpus: int, peak_flops_per_gpu: float, mfu: float) -> float:

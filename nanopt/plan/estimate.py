@@ -33,9 +33,13 @@ from nanopt.model import memory as memory_model
 from nanopt.parsing import INT64_MAX, check_option
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
+from nanopt.shown import shell_word
 
 # The MFU assumed without a measurement: a well-tuned dense run reaches 0.35-0.55; see bench/RESULTS.md.
 DEFAULT_MFU = 0.40
+MIN_MFU = 0.001  # 0.1% of the peak: below that, no run is worth estimating
+# One device's dense peak: from a slow CPU (1 GFLOP/s) to 100 PFLOP/s, 20 x the fastest GPU's low-precision peak.
+MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 0.001, 100_000
 
 
 @dataclass(frozen=True)
@@ -53,16 +57,19 @@ class EstimateOptions:
     tokens: float | None = None  # with params: the token budget (default: Chinchilla-optimal)
 
     def validate(self) -> None:
-        # Upper bounds far past any real cluster, GPU, price or budget: a value beyond one is a typo, and NaN or
-        # infinity would reach the arithmetic as a ZeroDivisionError or OverflowError.
+        # Bounds far past any real cluster, device, price or budget: a value beyond one is a typo, and NaN or
+        # infinity would reach the arithmetic as a ZeroDivisionError or OverflowError. The rates have lower bounds
+        # too: a peak or an MFU of 1e-300 would make every time and cost a number of 300 digits.
         hint = "see `nanopt estimate --help`"
         check_option("--num-gpus", self.num_gpus, 1, 10_000_000, hint)
         check_mfu(self.mfu)
         check_option("--price-per-hour", self.price_per_hour, 0, MAX_PRICE_PER_HOUR, hint)
-        check_option("--peak-tflops", self.peak_tflops, 0, 1e9, hint, above_low=True)
+        check_option("--peak-tflops", self.peak_tflops, MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS,
+                     "dense TFLOP/s of one device, e.g. 989 for an H100 SXM in bf16, 0.15 for 2 AVX2 cores at 2.4 GHz")
         check_option("--gpu-memory", self.gpu_memory, 0, MAX_SIZE_BYTES, hint, above_low=True)
         check_option("--hours", self.hours, 0, 1_000_000, hint, above_low=True)
-        check_option("--chinchilla-ratio", self.tokens_per_param, 0, 1_000_000, hint, above_low=True)
+        check_option("--chinchilla-ratio", self.tokens_per_param, 0.1, 100_000,
+                     "tokens per parameter: 20 is Chinchilla's; over-trained small models use a few hundred")
         check_option("--params", self.params, 1, 10**15, hint)
         check_option("--tokens", self.tokens, 1, INT64_MAX, hint)
 
@@ -80,7 +87,7 @@ def check_mfu(mfu: float | None) -> None:
     if isinstance(mfu, (int, float)) and 1 < mfu <= 100:
         raise ConfigError(f"--mfu {mfu:g} is more than 1: MFU is a fraction of the peak",
                           f"--mfu {mfu / 100:g} means {mfu:g}% (a well-tuned dense run reaches 0.35-0.55)")
-    check_option("--mfu", mfu, 0, 1, "a fraction of the peak: --mfu 0.4 means 40%", above_low=True)
+    check_option("--mfu", mfu, MIN_MFU, 1, "a fraction of the peak: --mfu 0.4 means 40%")
 
 
 def _whole(count: float | None) -> int | None:
@@ -223,8 +230,8 @@ def _unusable(run: RunConfig, found: dict[str, Any] | None, problem: str | None,
                 f"{num_gpus} x {key}: throughput assumed at MFU {DEFAULT_MFU:g}")
     changed = changed_setting(found["fingerprint"], fingerprint(run, num_gpus))
     if changed is not None:
-        return (f"{path} is stale ({changed}): run `nanopt preflight {run.run_dir}` again to measure the run as it "
-                f"is; throughput assumed at MFU {DEFAULT_MFU:g}")
+        return (f"{path} is stale ({changed}): run `nanopt preflight {shell_word(run.run_dir)}` again to measure the "
+                f"run as it is; throughput assumed at MFU {DEFAULT_MFU:g}")
     return None
 
 

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from nanopt.errors import CheckpointError
 from nanopt.rundir import RunDir, step_dir_name
+from nanopt.shown import shell_word
 from nanopt.train import sharded
 
 FORMAT_VERSION = 1
@@ -435,7 +436,8 @@ def resolve(run_dir: Path, which: str) -> Checkpoint:
             raise CheckpointError(f"{run_dir}: no usable checkpoint: {notes[0]}",
                                   "name another checkpoint, or move the damaged one aside and train again")
         if found is None:
-            raise CheckpointError(f"{run_dir}: no complete checkpoint", f"train first: `nanopt train {run_dir}`")
+            raise CheckpointError(f"{run_dir}: no complete checkpoint",
+                                  f"train first: `nanopt train {shell_word(run_dir)}`")
         return found
     if which == "best":
         name = read_pointer(root, "best")

@@ -20,6 +20,7 @@ from nanopt.errors import DistributedError, NanoptError
 from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.rundir import RunDir
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
+from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import phases
 from nanopt.train.events import TrainObserver
@@ -209,8 +210,8 @@ def loop(s: Session) -> dict[str, Any]:
             if stop:
                 with s.clock.phase("checkpoint"):
                     wait_for_save(s)
-                s.observer.note(f"preempted: saved step {s.state.step}; run `nanopt train {s.run.run_dir}` to "
-                                "continue exactly where it stopped")
+                s.observer.note(f"preempted: saved step {s.state.step}; run `nanopt train "
+                                f"{shell_word(s.run.run_dir)}` to continue exactly where it stopped")
                 break
         with s.clock.phase("checkpoint"):
             wait_for_save(s)  # the run is not done until its last checkpoint is

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.runtime import broadcast_object
+from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.resume import load_checkpoint
 from nanopt.train.save import wait_for_save
 from nanopt.train.schedule import recovery_lr_multiplier
 from nanopt.train.session import Session
-from nanopt.train.step import diverged
+from nanopt.train.step import TrainingDiverged, diverged
 
 
 class SpikeWatch:
@@ -106,6 +107,8 @@ def roll_back(s: Session, reason: str, first_bad: int, loss: float, what: str) -
     wait_for_save(s)  # a checkpoint still being written may be the one to roll back to, and must not move `latest`
     # The loss of step k is measured on the weights step k - 1 left, and the checkpoint of step k - 1 holds them.
     target = _checkpoint_before(s, first_bad - 1)
+    if target is None and first_bad <= 2:  # the weights it needs are the initial ones, which are never saved
+        raise _nothing_to_roll_back(s, what, first_bad)
     if target is None:
         raise diverged(s, f"{what}, and no complete checkpoint from step {first_bad - 2} or earlier to roll back to")
     spike_step, loader_step, recoveries = st.step, s.loader.step, st.recoveries + 1
@@ -125,6 +128,22 @@ def roll_back(s: Session, reason: str, first_bad: int, loss: float, what: str) -
     s.observer.note(f"step {spike_step}: {what}; recovery {recoveries} of {cfg.max_recoveries}: rolled back to "
                     f"{target.path.name}, skipped {skipped_samples:,} samples, learning rate x{lr_factor:g} ramping "
                     f"back over {cfg.recovery_lr_steps} steps")
+
+
+def _nothing_to_roll_back(s: Session, what: str, first_bad: int) -> TrainingDiverged:
+    """The trouble began at step 1 or 2: the weights from before it are the initial ones, which no checkpoint holds.
+    At step 1 the loss and gradient are the initial weights' own: no learning rate has acted yet."""
+    if first_bad > 1:
+        return TrainingDiverged(
+            f"training diverged: {what}, the first at step {first_bad}: no checkpoint is from before it (the initial "
+            "weights are never saved), nothing to roll back to",
+            f"start again with a lower learning rate, e.g. `nanopt train {shell_word(s.run.run_dir)} --resume none "
+            f"--set learning_rate={s.run.train.learning_rate / 10:g}`")
+    return TrainingDiverged(
+        f"training diverged: {what}, the first at step 1, before any checkpoint exists: nothing to roll back to",
+        "at step 1 the loss and gradient are the initial weights' (no learning rate has acted yet): look at the "
+        "precision (fp16 overflows: bf16 or fp32), the initialization in model.json (initializer_range, eps), and "
+        "the data (token ids, degenerate batches); a learning rate far too high shows from step 2 on")
 
 
 def _checkpoint_before(s: Session, step_limit: int) -> ckpt.Checkpoint | None:

@@ -12,6 +12,7 @@ import torch
 
 from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
+from nanopt.shown import shell_word
 from nanopt.train.optim import set_lr
 from nanopt.train.schedule import lr_at, recovery_lr_multiplier
 from nanopt.train.session import Session
@@ -88,5 +89,5 @@ def diverged(s: Session, what: str) -> TrainingDiverged:
     """The error that stops a run that diverged: `what` says how, the hint how to go on by hand."""
     return TrainingDiverged(
         f"training diverged: {what}",
-        f"resume from the last checkpoint with a lower learning rate, e.g. `nanopt train {s.run.run_dir} "
+        f"resume from the last checkpoint with a lower learning rate, e.g. `nanopt train {shell_word(s.run.run_dir)} "
         f"--set learning_rate={s.run.train.learning_rate / 2:g} --allow-changed`")

@@ -1,0 +1,45 @@
+"""The rich Console every command prints through: text that came from a file cannot drive the terminal.
+
+Run names, train.json values, dataset and checkpoint paths, tokenizer sources and generated samples reach tables,
+notes and error lines. Each command escapes such values with rich.markup.escape where it mixes them with its own
+markup; this console is the net under all of it:
+
+- control characters (ESC, C1, bidi overrides, ...) become visible escapes (nanopt.shown.printable), both in the
+  strings printed and in every segment rendered, so no value can erase lines or set the window title;
+- a value that still reaches markup unescaped and is not valid markup (a closing tag such as `[/x]` in a
+  directory name) is printed as it is, instead of a MarkupError traceback;
+- no emoji codes: `:smile:` in a value stays text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rich.console import Console
+from rich.errors import MarkupError
+from rich.segment import Segment
+from rich.text import Text
+
+from nanopt.shown import printable
+
+
+class SafeConsole(Console):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"highlight": False, "emoji": False, **kwargs})
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        # Escaped before rich's own clean-up, which drops some control characters silently (BEL, CR) and keeps ESC.
+        text = printable(text, lines=True)
+        try:
+            return super().render_str(text, **kwargs)
+        except MarkupError:
+            return super().render_str(text, **{**kwargs, "markup": False})
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        # Every segment on its way out, renderables built without render_str included (Text objects, progress
+        # columns). A control segment is rich's own cursor movement for a live display and stays as it is. rich has
+        # rendered its output here since its first releases; tests/test_terminal.py shows it still does.
+        return super()._render_buffer(
+            segment if segment.control else Segment(printable(segment.text, lines=True), segment.style)
+            for segment in buffer)
