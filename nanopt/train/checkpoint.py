@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from nanopt.errors import CheckpointError, NanoptError
 from nanopt.files import (
+    check_dir,
     copy_file,
     give_file_mode,
     link_refused,
@@ -272,9 +273,10 @@ def _remove(path: Path) -> None:
     """Delete a step directory by renaming it out of the step-* names first: a process killed while deleting
     leaves a `.tmp-*` that the next start removes, never a half-deleted checkpoint that looks damaged. Only inside
     its own checkpoints/, and never a step directory that is a link (refused)."""
+    root, doomed = path.parent, path.with_name(f".tmp-delete-{path.name}")
+    check_dir(root)  # not a link: even the rename below would change what it names
     if path.is_symlink():
         raise link_refused(path)
-    root, doomed = path.parent, path.with_name(f".tmp-delete-{path.name}")
     remove_tree(doomed, inside=root, quiet=True)
     try:
         path.rename(doomed)
