@@ -221,12 +221,15 @@ def check_run_dir(run_dir: Path) -> None:
     """The one check of a run directory before a command's first write (train, eval, find-batch, profile,
     preflight), before any lock is taken, step run or loss measured: WritePathError, in one line naming the path,
     for a link at any path nanopt writes or deletes there (RunDir.written_dirs and written_files, and the step-N/
-    and .tmp-* directories in checkpoints/), for anything but a regular file where it writes a file, and for a
-    file where it keeps a directory (a `checkpoints` file used to train until the first save and then fail with a
-    disk-space hint)."""
+    and .tmp-* directories in checkpoints/), for anything but a regular file where it writes a file, and for
+    anything but a directory at checkpoints/ and previous/ (a `checkpoints` file used to train until the first
+    save and then fail with a disk-space hint)."""
     paths = RunDir(run_dir)
     for path in paths.written_dirs():
-        if _lstat(path) is not None:
+        st = _lstat(path)
+        # TensorBoard, W&B and the profiler are handed their directory, and only a link there is refused: a
+        # sink that cannot write is a warning (nanopt.train.sinks), never the end of a paid-for run.
+        if st is not None and (path in (paths.checkpoints, paths.previous) or stat.S_ISLNK(st.st_mode)):
             check_dir(path)
     for path in paths.written_files():
         st = _lstat(path)

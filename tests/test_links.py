@@ -335,6 +335,24 @@ def test_retention_and_clean_up_never_delete_through_a_linked_checkpoints_direct
     assert snapshot(outside, leave_out="") == before
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_tokenize_never_writes_or_replaces_through_a_link(tmp_path: Path, tiny_dataset: Path, force: bool):
+    """A link as the output is refused (with --force too: it used to be renamed aside and the new dataset put in its
+    place), and so is one at the staging directory's name, which used to be deleted as a leftover."""
+    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.sources import TextListSource
+    from nanopt.errors import WritePathError
+
+    target = Path(shutil.copytree(tiny_dataset, tmp_path / "theirs"))
+    (tmp_path / "ds").symlink_to(target)
+    (tmp_path / f".fresh.partial-{os.getpid()}").symlink_to(target)  # the name this process would stage in
+    before = snapshot(tmp_path, leave_out="")
+    for out, why in (("ds", "ds: is a symbolic link"), ("fresh", "fresh.partial-.*: is a symbolic link")):
+        with pytest.raises(WritePathError, match=why):
+            build_dataset(tmp_path / out, TextListSource(["one document"]), vocab_size=300, force=force)
+    assert snapshot(tmp_path, leave_out="") == before
+
+
 @pytest.mark.parametrize("rel", sorted({str(p.relative_to("R")) for p in RunDir(Path("R")).written_files()
                                         + RunDir(Path("R")).written_dirs()} | {"checkpoints/.tmp-step-000002"}))
 def test_check_run_dir_refuses_a_link_at_every_path_nanopt_writes(tmp_path: Path, rel: str):

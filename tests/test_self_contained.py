@@ -256,7 +256,7 @@ def test_checkpoints_exports_and_results_get_the_permissions_of_a_plain_open(wor
         str(p): oct(0o755 if p.is_dir() else 0o644) for p in written}
 
 
-@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
 def test_a_rewritten_json_file_gets_a_new_files_mode_without_group_or_world_write(tmp_path: Path, mask: int):
     """Changed by issue #34: a rewritten file used to keep its own mode, so a world-writable train.json that was
     downloaded stayed world-writable (and it holds `on_exit`, a shell command). Now it gets 0644 less the umask, as
