@@ -153,23 +153,24 @@ def copy_file(source: Path, target: Path) -> None:
         shutil.copyfileobj(src, dst, 1 << 22)
 
 
-def give_file_mode(path: Path) -> None:
-    """Give a file another library wrote (safetensors, torch's profiler: 0600, or 0666 less the umask) the mode
-    nanopt's own new files get in its directory: FILE_MODE less the umask, or what a default ACL allows. Learnt
-    from a probe file: reading the umask means setting it, which races with threads creating files."""
-    probe = path.parent / f".mode-probe-{os.getpid()}-{threading.get_ident()}"
+def give_file_mode(*paths: Path) -> None:
+    """Give files another library wrote into a directory nanopt made (safetensors: 0600; torch's DCP: 0666 less
+    the umask) the mode nanopt's own new files get there: FILE_MODE less the umask, or what a default ACL allows.
+    Learnt from a probe file: reading the umask means setting it, which races with threads creating files."""
+    probe = paths[0].parent / f".mode-probe-{os.getpid()}-{threading.get_ident()}"
     fd = _open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
     finally:
         os.close(fd)
         os.unlink(probe)
-    fd = _open(path, os.O_RDONLY)
-    try:
-        _check_file(path, os.fstat(fd))
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
+    for path in paths:
+        fd = _open(path, os.O_RDONLY)
+        try:
+            _check_file(path, os.fstat(fd))
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------ directories

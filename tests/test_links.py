@@ -281,6 +281,21 @@ def test_new_files_and_directories_get_no_group_or_world_write(tmp_path: Path, u
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the mode probe is gone
 
 
+def test_a_trained_and_evaluated_run_has_no_group_or_world_write_under_a_sharing_umask(tmp_path: Path,
+                                                                                      tiny_dataset: Path,
+                                                                                      cli_in_process, umask_002):
+    """Checkpoints (safetensors writes 0600, rewritten here), pointers, metrics, the chart and eval.json: 0644 and
+    0755 less the umask, never the 0664 / 0775 a plain open() / mkdir() would give under umask 002."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=4, checkpoint_interval=2, eval_interval=2)
+    for argv in (("train", run, "--no-live"), ("eval", run, "--tokens", "256", "--no-samples")):
+        result = cli_in_process(*argv)
+        assert result.returncode == 0, result.stderr
+    written = [p for p in run.rglob("*") if p.name not in ("model.json", "train.json")]  # the test wrote those
+    assert {"loss.png", "eval.json", "latest", "best", "model.safetensors"} <= {p.name for p in written}
+    assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == {
+        str(p): oct(0o755 if p.is_dir() else 0o644) for p in written}
+
+
 def test_make_dir_refuses_a_link_and_a_file(tmp_path: Path):
     from nanopt.errors import WritePathError
     from nanopt.files import make_dir

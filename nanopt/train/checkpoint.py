@@ -136,6 +136,7 @@ def publish(run_dir: Path, step: int, meta: dict[str, Any], tokenizer: Path | No
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         if meta.get("layout") == SHARDED:
             sharded.check_complete(tmp, list(files))
+            give_file_mode(*(tmp / name for name in files))  # DCP's files keep group write under umask 002
         if tokenizer is not None and _copy_tokenizer(tokenizer, tmp / TOKENIZER_FILE, meta.get("tokenizer_sha256")):
             files[TOKENIZER_FILE] = meta["tokenizer_sha256"]
         full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "files": files}
