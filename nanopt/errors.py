@@ -35,5 +35,9 @@ class ResumeError(NanoptError):
     """Resuming a run whose settings changed in a way that would silently give a different run."""
 
 
+class WritePathError(NanoptError):
+    """A path nanopt would write or delete is a link, or not the kind of file that belongs there (nanopt.files)."""
+
+
 class DistributedError(NanoptError):
     """A process-group failure: a rank died, timed out or disagreed."""

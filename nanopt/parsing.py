@@ -12,9 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import re
-import stat
 import types
 import typing
 from dataclasses import fields
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from nanopt.errors import ConfigError, NanoptError
+from nanopt.files import replace_file
 
 INT64_MAX = 2**63 - 1
 
@@ -218,16 +217,11 @@ def _number(x: float) -> str:
 
 
 def save_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically: a temporary file renamed into place, so a reader never sees half a file.
-
-    The file ends with the permissions a plain open() would leave: a new one gets 0666 minus the umask, and one that
-    is replaced keeps its own (a train.json `find-batch --write` rewrites stays as shared or private as it was)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover would lend the new file its permissions
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    if path.is_file():
-        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
-    tmp.replace(path)
+    """Write JSON atomically (nanopt.files.replace_file): a temporary file renamed into place, so a reader never
+    sees half a file, never written through a link. The file gets 0644 less the umask, never the mode of the file it
+    replaces: a train.json `find-batch --write` rewrites (it may hold `on_exit`, a shell command) is never left
+    writable by others."""
+    replace_file(path, json.dumps(data, indent=2) + "\n")
 
 
 def path_kind(path: Path, error: type[NanoptError], hint: str) -> str:

@@ -15,11 +15,13 @@
                                       metrics.jsonl, loss.png, eval.json and tensorboard/, never deleted by nanopt
       .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.lock)
 
-Pure path arithmetic: nothing here reads or writes a file, so any module may import it.
+Pure path arithmetic: nothing here reads or writes a file, so any module may import it. How nanopt writes these
+paths (never through a link) is nanopt.files.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,19 @@ EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"
 POINTERS = ("latest", "best")
+STEP_NAME = re.compile(r"step-(\d+)")  # checkpoints/step-N/, any number of digits
+TMP_PREFIX = ".tmp-"  # checkpoints/.tmp-step-N/ (being written) and .tmp-delete-step-N/ (being deleted)
+
+
+def temporary(path: Path) -> Path:
+    """Where the next contents of a file nanopt replaces whole are written before they are renamed over it
+    (nanopt.files.replacing): NAME.tmp beside it, so a reader never sees half a file."""
+    return path.with_name(path.name + ".tmp")
+
+
+def is_checkpoint_entry(name: str) -> bool:
+    """A name in checkpoints/ that training writes, renames or deletes: step-N/ and the .tmp-* directories."""
+    return STEP_NAME.fullmatch(name) is not None or name.startswith(TMP_PREFIX)
 
 
 def step_dir_name(step: int) -> str:
@@ -117,6 +132,19 @@ class RunDir:
     @property
     def previous(self) -> Path:
         return self.root / PREVIOUS_DIR
+
+    def written_files(self) -> list[Path]:
+        """Every fixed file nanopt writes, appends to or deletes in the run, with the temporary of each it replaces
+        whole: where a link, or anything but a regular file, is refused before the first write
+        (nanopt.files.check_run_dir)."""
+        replaced = [self.metrics, self.chart, self.eval_json, self.find_batch_json, self.preflight_json,
+                    *(self.checkpoints / name for name in POINTERS)]
+        return [self.lock, self.exit_hook_log, *replaced, *(temporary(path) for path in replaced)]
+
+    def written_dirs(self) -> list[Path]:
+        """Every directory nanopt makes, writes into or deletes from in the run (checkpoints/ also holds the
+        directories is_checkpoint_entry names, found by listing it)."""
+        return [self.checkpoints, self.previous, self.profile_dir, self.tensorboard, self.wandb]
 
     def training_outputs(self) -> list[Path]:
         """What training writes (and a fresh start moves aside), where it exists. TensorBoard's event files go too:

@@ -239,6 +239,6 @@ def test_an_unwritable_result_is_an_error_not_a_traceback(runs, cli):
     (blocker / "keep").mkdir(parents=True)
     try:
         result = cli("eval", runs["weak"], "--tokens", "128", "--no-samples")
-        assert_user_error(result, "could not write", "writable")
+        assert_user_error(result, "eval.json: is a directory, where nanopt writes a file", "move it away")  # #34
     finally:
         shutil.rmtree(blocker)

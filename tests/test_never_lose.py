@@ -19,6 +19,7 @@ from faulthelp import Launcher, tiny_run, tree_digest
 from test_checkpoint import full_meta
 from trainhelp import HIDE_CUDA, losses, make_run
 
+from nanopt.rundir import temporary
 from nanopt.train import checkpoint as ckpt
 
 STOPPED_EARLY = 75
@@ -205,7 +206,7 @@ def test_a_full_disk_at_resume_is_one_line_and_a_complete_run_needs_no_disk(tmp_
     assert full.stderr.count("error:") == 1 and "Traceback" not in full.stderr
     assert "while setting up" in full.stderr
     assert tree_digest(run / "checkpoints") == before
-    assert (run / "metrics.jsonl").stat().st_size == size and not (run / "metrics.tmp").exists()
+    assert (run / "metrics.jsonl").stat().st_size == size and not temporary(run / "metrics.jsonl").exists()
     launcher.train(run, "--allow-changed")  # with room again it finishes
     # No file may grow past metrics.jsonl's size (the command's own stdout and stderr files fit below it).
     complete = launcher.run("train", run, "--no-live", fsize=(run / "metrics.jsonl").stat().st_size)

@@ -1,6 +1,6 @@
 """Self-contained runs (issue #19): a checkpoint carries its tokenizer, so export and sampling need no dataset and
 eval checks any dataset against it; generation says why it stopped and refuses a prompt that fills the context;
-what nanopt writes gets the permissions a plain open() / mkdir() gives; `best` only names an evaluated checkpoint.
+what nanopt writes gets 0644 / 0755 less the umask; `best` only names an evaluated checkpoint.
 
 One tiny run is trained in this process (so the umask a test sets is the one training runs under), then its
 dataset is moved away, as a user who tidied their disk would have it.
@@ -256,15 +256,20 @@ def test_checkpoints_exports_and_results_get_the_permissions_of_a_plain_open(wor
         str(p): oct(0o755 if p.is_dir() else 0o644) for p in written}
 
 
-def test_rewriting_a_json_file_keeps_its_permissions(tmp_path: Path, umask_022):
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
+def test_a_rewritten_json_file_gets_a_new_files_mode_without_group_or_world_write(tmp_path: Path, mask: int):
+    """Changed by issue #34: a rewritten file used to keep its own mode, so a world-writable train.json that was
+    downloaded stayed world-writable (and it holds `on_exit`, a shell command). Now it gets 0644 less the umask, as
+    a new file does: group and world never get write, whatever the umask or the old mode."""
     shared = tmp_path / "train.json"  # as `nanopt find-batch --write` rewrites a run's train.json
     shared.write_text("{}")
-    shared.chmod(0o664)
-    save_json(shared, {"micro_batch_size": 8})
-    assert stat.S_IMODE(shared.stat().st_mode) == 0o664 and json.loads(shared.read_text())["micro_batch_size"] == 8
-    fresh = tmp_path / "new.json"
-    save_json(fresh, {})
-    assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+    shared.chmod(0o666)
+    with Umask(mask):
+        save_json(shared, {"micro_batch_size": 8})
+        fresh = tmp_path / "new.json"
+        save_json(fresh, {})
+    assert json.loads(shared.read_text())["micro_batch_size"] == 8
+    assert stat.S_IMODE(shared.stat().st_mode) == stat.S_IMODE(fresh.stat().st_mode) == 0o644 & ~mask
 
 
 # ------------------------------------------------------------------------------------------------- (5c) best

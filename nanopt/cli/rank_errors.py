@@ -14,6 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanopt.errors import NanoptError
+from nanopt.files import replace_file
+
 ERROR_DIR_ENV = "NANOPT_ERROR_DIR"
 
 
@@ -31,8 +34,8 @@ def hand_to_launcher(rank: int, line: str, lost_contact: bool) -> bool:
         return False
     record = {"rank": rank, "line": line, "lost_contact": lost_contact}
     try:
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
-    except OSError:
+        replace_file(Path(folder, f"rank{rank}.json"), json.dumps(record))  # never through a link
+    except (OSError, NanoptError):
         return False
     return True
 

@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +14,17 @@ import nanopt
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, dtype_name, sha256_file, token_dtype
 from nanopt.data.tokenizer import NamedTokenizer
 from nanopt.errors import DataError
+from nanopt.files import link_refused, new_dir, remove_tree
 from nanopt.parsing import save_json
 
 STAGING_MARK = ".partial-"
 
 
 def check_output(out: Path, force: bool) -> None:
-    """An existing dataset is replaced only with --force, and --force never deletes something else."""
+    """An existing dataset is replaced only with --force, and --force never deletes something else; a link is never
+    written or replaced through."""
+    if out.is_symlink():
+        raise link_refused(out, "pass the directory it points to as --out, or another --out")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not out.is_dir():
@@ -45,14 +48,13 @@ def staging_dir(out: Path) -> Iterator[Path]:
     """A hidden directory beside `out`, renamed to `out` if the block completes and deleted if it does not."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}{STAGING_MARK}{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)  # our own pid: a leftover of a process that no longer exists
-    staging.mkdir()
+    remove_tree(staging, inside=out.parent)  # our own pid: a leftover of a process that no longer exists
+    new_dir(staging)
     try:
         yield staging
         _publish(staging, out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging, inside=out.parent, quiet=True)
         raise
 
 
@@ -63,7 +65,7 @@ def _publish(staging: Path, out: Path) -> None:
         old = out.parent / f".{out.name}.replaced-{os.getpid()}"
         out.rename(old)
         staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, inside=out.parent, quiet=True)
     else:
         staging.rename(out)
 

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from nanopt.errors import DataError
+from nanopt.files import make_dir, open_file
 
 FORMAT = "nanopt-tokens"  # meta.json "format": what kind of directory this is
 FORMAT_VERSION = 1  # meta.json "format_version": bumped when readers of older versions would misread it
@@ -61,7 +62,7 @@ class SplitWriter:
 
     def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.root, self.split, self.dtype, self.shard_tokens = root, split, np.dtype(dtype), shard_tokens
-        (root / split).mkdir(parents=True, exist_ok=True)
+        make_dir(root / split)  # in the staging directory nanopt made
         self.shards: list[ShardInfo] = []
         self._file: BinaryIO | None = None
         self._name = ""
@@ -91,7 +92,7 @@ class SplitWriter:
 
     def _open_next(self) -> None:
         self._name = f"{self.split}/shard-{len(self.shards):05d}.npy"
-        self._file = open(self.root / self._name, "wb")
+        self._file = open_file(self.root / self._name, "wb")
         self._file.write(b"\0" * HEADER_BYTES)  # an invalid header until the shard is complete
         self._filled = 0
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
+from nanopt.files import write_file
 from nanopt.parsing import check_option
 from nanopt.shown import shell_word
 
@@ -235,7 +236,7 @@ class _CountingIterator:
 
 
 def save_tokenizer(named: NamedTokenizer, path: Path) -> None:
-    named.tokenizer.save(str(path))
+    write_file(path, named.tokenizer.to_str(pretty=True))  # the bytes tokenizer.save writes, never through a link
 
 
 def piece_ends(text: str, max_chars: int) -> list[int]:

@@ -29,7 +29,7 @@ def check_chart_path(path: Path) -> None:
         raise ConfigError(f"--chart {path}: the chart is a PNG, its name must end in .png", hint)
     if not path.parent.is_dir():
         raise ConfigError(f"--chart {path}: directory {path.parent} does not exist", hint)
-    if path.is_symlink() or (path.exists() and not _drawn_by_nanopt(path)):
+    if path.is_symlink() or (path.exists() and not (path.is_file() and _drawn_by_nanopt(path))):  # a FIFO: unread
         raise ConfigError(f"--chart {path}: exists and is not a chart nanopt drew; it is left as it is", hint)
 
 

@@ -28,9 +28,10 @@ from typing import Any
 
 from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
-from nanopt.errors import CheckpointError, ConfigError
+from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
+from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
 from nanopt.parsing import INT64_MAX, check_option, save_json
 from nanopt.rundir import EVAL_FILE, RunDir
@@ -106,6 +107,8 @@ def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progres
 
 
 def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progress) -> dict[str, Any]:
+    if opts.loss:  # eval.json goes into the run: a link where it writes is refused first, on every rank alike
+        check_run_dir(run_dir)
     trained = open_trained(run_dir, opts.checkpoint, opts.data, for_loss=opts.loss)
     if opts.samples:  # a prompt that cannot be continued fails now, before the evaluation
         check_prompts_fit(trained.tokenizer(), opts.samples, trained.run.model.max_position_embeddings)
@@ -165,10 +168,13 @@ def write_result(rt: Runtime, result: dict[str, Any], paths: list[Path]) -> None
             for path in paths:
                 save_json(path, result)
         except OSError as exc:
-            failure = f"could not write {exc.filename or paths[0]}: {exc.strerror or exc}"
+            failure = (f"could not write {exc.filename or paths[0]}: {exc.strerror or exc}",
+                       "make the run directory writable, or copy the run somewhere writable")
+        except WritePathError as exc:  # a link at eval.json or its temporary: never written through
+            failure = (exc.message, exc.hint)
     failure = broadcast_object(rt, failure)
     if failure is not None:
-        raise CheckpointError(failure, "make the run directory writable, or copy the run somewhere writable")
+        raise CheckpointError(*failure)
 
 
 def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float) -> float:

@@ -10,8 +10,9 @@ tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM
 
 config.json carries both spellings that differ between transformers 4 and 5 (`torch_dtype` / `dtype`,
 `rope_theta` / `rope_parameters`), so either major version reads it. The directory is built beside `out_dir` and
-renamed into place, so a failed export leaves nothing half-written. It and its files get the permissions a plain
-mkdir() / open() gives (0777 / 0666 minus the umask), so others on a shared machine can load the export.
+renamed into place, so a failed export leaves nothing half-written. It and its files get 0755 / 0644 less the
+umask, so others on a shared machine can load the export and none can change it; nothing is written through a link
+(nanopt.files).
 
 `force` replaces an earlier export and nothing else: a directory is an export when it holds config.json and
 model.safetensors and no entry but the files listed in EXPORT_FILES. The run directory, anything that contains it
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch import Tensor
 from nanopt.config import ModelConfig
 from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
+from nanopt.files import copy_file, new_dir, remove_tree, write_file
 from nanopt.model.transformer import Transformer
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint import save_tensors
@@ -68,12 +69,12 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_j
         _save_safetensors(hf_state, staging / "model.safetensors")
         for name, content in tokenizer_files.items():
             if isinstance(content, Path):
-                shutil.copyfile(content, staging / name)
+                copy_file(content, staging / name)
             else:
                 _write_json(staging / name, content)
         _move_into_place(staging, out_dir)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging, inside=out_dir.parent, quiet=True)
         raise
     return out_dir
 
@@ -285,7 +286,7 @@ def _end_of_text_token(tokenizer: Any, eos_id: int | None, path: Path) -> str:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(data, indent=2) + "\n")
 
 
 def _check_destination(out_dir: Path, force: bool, run_dir: Path | None) -> None:
@@ -370,8 +371,7 @@ def _new_sibling(out_dir: Path, kind: str) -> Path:
     while True:
         path = out_dir.parent / f".{out_dir.name}.{kind}-{secrets.token_hex(4)}"
         try:
-            path.mkdir()
-            return path
+            return new_dir(path)
         except FileExistsError:  # 2**32 names: another export's, taken by chance
             continue
 

@@ -23,7 +23,6 @@ functions that run steps.
 from __future__ import annotations
 
 import math
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError, NanoptError
+from nanopt.files import check_run_dir, remove_tree
 from nanopt.hardware import MAX_SIZE_BYTES, check_price_per_hour
 from nanopt.parsing import check_option, save_json
 from nanopt.plan.preflight_report import Measured, build_report
@@ -71,6 +71,7 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
     from nanopt.runtime import init_runtime, shutdown
 
     opts.validate()
+    check_run_dir(run.run_dir)  # preflight.json is written there at the end: a link there is refused now
     billed_from = opts.started if opts.started is not None else time.time()
     run, micro_batch, searching_s = _micro_batch(run, opts, on_trial)
     rt = init_runtime(run.train.precision)
@@ -243,7 +244,7 @@ def _time_checkpoint(session: Any) -> float:
         wait_quietly(session)  # after an error: the background writer must not write into a removed directory
         session.run = own
         if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch, inside=scratch.parent, quiet=True)
 
 
 def _scratch_directory(session: Any) -> Path | None:

@@ -21,6 +21,7 @@ are summarized:
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
+from nanopt.files import check_run_dir, copy_file, make_dir, replacing
 from nanopt.model.flops import mfu, mfu_note
 from nanopt.parsing import check_option, save_json
 from nanopt.rundir import RunDir
@@ -167,6 +169,7 @@ def profile_run(run: RunConfig, opts: ProfileOptions,
     from nanopt.runtime import init_runtime, shutdown
 
     opts.validate()
+    check_run_dir(run.run_dir)  # profile/ (and every path nanopt writes there) is no link, before any step
     rt = init_runtime(run.train.precision)
     try:
         return _profile(run, rt, opts, on_step)
@@ -189,7 +192,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
     loader = TimedLoader(session.loader)
     session.loader = loader
     out_dir = Path(opts.out_dir or RunDir(run.run_dir).profile_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir, parents=True)
     trace_path = out_dir / (TRACE_FILE if rt.is_main else f"trace-rank{rt.rank}.json")
     collected: dict[str, Any] = {}
 
@@ -226,15 +229,19 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
 
 def _export(prof: Any, trace_path: Path, tensorboard_dir: Path | None, rank: int) -> None:
     """The Chrome trace, written whole or not at all; and a copy named as TensorBoard's profiler plugin expects
-    (`WORKER.SPAN.pt.trace.json`, what torch's tensorboard_trace_handler writes; a trace can be exported once)."""
-    tmp = trace_path.with_name(trace_path.name + ".tmp")
-    prof.export_chrome_trace(str(tmp))
-    tmp.replace(trace_path)
+    (`WORKER.SPAN.pt.trace.json`, what torch's tensorboard_trace_handler writes; a trace can be exported once).
+    torch's exporter opens the path it is given, so it writes into a new private directory (which no link can be
+    planted in) and the trace is copied from there, never through a link (nanopt.files)."""
+    with tempfile.TemporaryDirectory(dir=trace_path.parent, prefix=".trace-") as private:
+        exported = Path(private, trace_path.name)
+        prof.export_chrome_trace(str(exported))
+        with open(exported, "rb") as source, replacing(trace_path) as target:
+            shutil.copyfileobj(source, target, 1 << 22)
     if tensorboard_dir is not None:
-        tensorboard_dir.mkdir(exist_ok=True)
+        make_dir(tensorboard_dir)
         for old in tensorboard_dir.glob(f"rank{rank}.*.pt.trace.json"):
             old.unlink()  # one trace per rank: the plugin would show stale ones as extra runs
-        shutil.copyfile(trace_path, tensorboard_dir / f"rank{rank}.{time.time_ns()}.pt.trace.json")
+        copy_file(trace_path, tensorboard_dir / f"rank{rank}.{time.time_ns()}.pt.trace.json")
 
 
 def _collect(prof: Any, on_cuda: bool) -> dict[str, Any]:

@@ -15,9 +15,9 @@
 A checkpoint is assembled in `.tmp-step-N/` (`begin`), then `publish`ed: checksums, meta.json, fsync, a rename into
 place and the `latest` pointer, in that order, so a process killed at any moment (also while a save runs in the
 background) leaves either the old set of checkpoints or the new one. Either layout resumes on any world size and
-is read by eval and export. No pickle of ours: tensors in safetensors or DCP shards, everything else JSON. Every
-file gets the permissions a plain open() / mkdir() gives (0666 / 0777 minus the umask), so others on a shared
-machine can read a run.
+is read by eval and export. No pickle of ours: tensors in safetensors or DCP shards, everything else JSON. Files
+get 0644 and directories 0755, less the umask, so others on a shared machine can read a run and none can change it;
+nothing is written or deleted through a link, and deletion stays inside the run's own checkpoints/ (nanopt.files).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,13 +33,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt.errors import CheckpointError
-from nanopt.rundir import RunDir, step_dir_name
+from nanopt.errors import CheckpointError, NanoptError
+from nanopt.files import (
+    check_dir,
+    copy_file,
+    give_file_mode,
+    link_refused,
+    make_dir,
+    new_dir,
+    remove_tree,
+    replace_file,
+    write_file,
+)
+from nanopt.rundir import STEP_NAME, RunDir, step_dir_name
 from nanopt.shown import shell_word
 from nanopt.train import sharded
 
 FORMAT_VERSION = 1
-STEP_NAME = re.compile(r"step-(\d+)")
 FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
 _FILES = ("model.safetensors", "optimizer.safetensors")  # in every full checkpoint
 TOKENIZER_FILE = "tokenizer.json"  # in those written since checkpoints carry their tokenizer
@@ -111,9 +118,9 @@ def begin(run_dir: Path, step: int) -> Path:
     root = checkpoints_dir(run_dir)
     tmp = root / f".tmp-{step_dir_name(step)}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        make_dir(root, parents=True)  # a link or a file there is refused, never followed
+        remove_tree(tmp, inside=root)
+        new_dir(tmp)  # ours: every rank, and DCP, writes into it
     except OSError as exc:
         raise _write_failed(tmp, RunDir(run_dir).step_dir(step), exc) from None
     return tmp
@@ -130,31 +137,33 @@ def publish(run_dir: Path, step: int, meta: dict[str, Any], tokenizer: Path | No
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         if meta.get("layout") == SHARDED:
             sharded.check_complete(tmp, list(files))
+            give_file_mode(*(tmp / name for name in files))  # DCP's files keep group write under umask 002
         if tokenizer is not None and _copy_tokenizer(tokenizer, tmp / TOKENIZER_FILE, meta.get("tokenizer_sha256")):
             files[TOKENIZER_FILE] = meta["tokenizer_sha256"]
         full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "files": files}
-        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1), encoding="utf-8")
+        write_file(tmp / "meta.json", json.dumps(full_meta, indent=1))
         _fsync_dir_files(tmp)
-        if final.exists():  # a re-run of the same step (e.g. after a crash between rename and pointer)
+        if final.is_symlink() or final.exists():  # a re-run of the step (a crash between rename and pointer)
             _remove(final)
         tmp.rename(final)
         _fsync(root)
         write_pointer(root, "latest", final.name)
     except (OSError, SafetensorError) as exc:
         raise _write_failed(tmp, final, exc) from None
-    except CheckpointError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except NanoptError:  # incomplete shards, or a link where the checkpoint goes
+        remove_tree(tmp, inside=root, quiet=True)
         raise
     return final
 
 
 def abandon(run_dir: Path, step: int) -> None:
     """Remove the `.tmp-step-N/` of a save that failed on some rank."""
-    shutil.rmtree(checkpoints_dir(run_dir) / f".tmp-{step_dir_name(step)}", ignore_errors=True)
+    root = checkpoints_dir(run_dir)
+    remove_tree(root / f".tmp-{step_dir_name(step)}", inside=root, quiet=True)
 
 
 def _write_failed(tmp: Path, final: Path, exc: BaseException) -> CheckpointError:
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp, inside=tmp.parent, quiet=True)
     hint = "free disk space or fix permissions; earlier checkpoints and 'latest' are intact"
     reason = getattr(exc, "strerror", None) or exc
     return CheckpointError(f"could not write checkpoint {final}: {reason}", hint)
@@ -163,7 +172,7 @@ def _write_failed(tmp: Path, final: Path, exc: BaseException) -> CheckpointError
 def _copy_tokenizer(source: Path, target: Path, expected_sha256: str | None) -> bool:
     """Copy the tokenizer training used. False, and no copy, when `source` is no longer that file (its dataset was
     re-made at the same path during training): a checkpoint must never carry another tokenizer than its own."""
-    shutil.copyfile(source, target)
+    copy_file(source, target)
     if sha256(target) == expected_sha256:
         return True
     target.unlink()
@@ -171,24 +180,11 @@ def _copy_tokenizer(source: Path, target: Path, expected_sha256: str | None) -> 
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file, leaving the file with the permissions a plain open() gives it: safetensors writes
-    through a private temporary file (0600) renamed into place, and weights that only their owner can read are
-    useless to the rest of a team sharing the machine."""
+    """safetensors' save_file into a directory nanopt made, leaving the file with the mode nanopt's own files get:
+    safetensors writes through a private temporary file (0600) renamed into place, and weights that only their
+    owner can read are useless to the rest of a team sharing the machine."""
     save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, plain_file_mode(path.parent))
-
-
-def plain_file_mode(directory: Path) -> int:
-    """The permissions open() gives a new file in `directory` (0666 minus the umask, or what the directory's default
-    ACL says). Learnt from a probe file: reading the umask with os.umask means setting it, which races with other
-    threads creating files."""
-    probe = directory / f".permissions-probe-{os.getpid()}"
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        return stat.S_IMODE(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
-        probe.unlink()
+    give_file_mode(path)
 
 
 def _contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -210,9 +206,7 @@ def _fsync_dir_files(directory: Path) -> None:
 
 
 def write_pointer(root: Path, name: str, target: str) -> None:
-    tmp = root / f".{name}.tmp"
-    tmp.write_text(target + "\n", encoding="utf-8")
-    os.replace(tmp, root / name)
+    replace_file(root / name, target + "\n")
 
 
 def read_pointer(root: Path, name: str) -> str | None:
@@ -279,22 +273,27 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
 
 def _remove(path: Path) -> None:
     """Delete a step directory by renaming it out of the step-* names first: a process killed while deleting
-    leaves a `.tmp-*` that the next start removes, never a half-deleted checkpoint that looks damaged."""
-    doomed = path.with_name(f".tmp-delete-{path.name}")
-    shutil.rmtree(doomed, ignore_errors=True)
+    leaves a `.tmp-*` that the next start removes, never a half-deleted checkpoint that looks damaged. Only inside
+    its own checkpoints/, and never a step directory that is a link (refused)."""
+    root, doomed = path.parent, path.with_name(f".tmp-delete-{path.name}")
+    check_dir(root)  # not a link: even the rename below would change what it names
+    if path.is_symlink():
+        raise link_refused(path)
+    remove_tree(doomed, inside=root, quiet=True)
     try:
         path.rename(doomed)
     except OSError:  # gone already, or not ours to move: delete in place as before
         doomed = path
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(doomed, inside=root, quiet=True)
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
-    """Half-written `.tmp-*` directories left by a killed process are never read; delete them."""
+    """Half-written `.tmp-*` directories left by a killed process are never read; delete them (only real
+    directories inside the run's own checkpoints/: nanopt.files.remove_tree)."""
     root = checkpoints_dir(run_dir)
-    if root.is_dir():
+    if root.is_dir() and not root.is_symlink():
         for path in root.glob(".tmp-*"):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path, inside=root, quiet=True)
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from nanopt.errors import NanoptError
+from nanopt.errors import NanoptError, WritePathError
+from nanopt.files import open_file
 from nanopt.rundir import RunDir
 from nanopt.train.lock import RunLocked
 
@@ -207,7 +208,9 @@ def _open_log(path: Path, header: str) -> tuple[IO[bytes] | None, str | None]:
     """The log opened for appending with the header written, or why it cannot be. Never creates the run directory:
     a mistyped one must not appear because of the hook."""
     try:
-        log = open(path, "ab")
+        log = open_file(path, "ab")  # never through a link
+    except WritePathError as exc:
+        return None, exc.message
     except OSError as exc:
         return None, f"could not write {path}: {exc.strerror or exc}"
     error = _write(log, header)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from nanopt.errors import NanoptError
+from nanopt.files import open_file
 from nanopt.rundir import RunDir
 
 
@@ -34,7 +35,7 @@ class RunLock:
         (a read-only mount) is not locked: nobody else can write there either."""
         for _ in range(3):  # the holder may remove the file between our open and our flock: then try again
             try:
-                file = open(self.path, "a+", encoding="utf-8")
+                file = open_file(self.path, "a+", encoding="utf-8")  # never through a link: it is truncated below
             except OSError as exc:
                 if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     return

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig
-from nanopt.errors import DistributedError, NanoptError
+from nanopt.errors import DistributedError, NanoptError, WritePathError
+from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.rundir import RunDir
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
@@ -62,16 +63,20 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
 
 
 def _lock_on_rank0(rt: Any, lock: RunLock) -> None:
-    """Rank 0 takes the run directory's lock; every rank learns the outcome, so all refuse together."""
+    """Rank 0 checks every path training writes in the run directory (no links, a directory where one belongs:
+    before anything is written, the lock included), then takes the lock; every rank learns the outcome, so all
+    refuse together."""
     refusal = None
     if rt.is_main:
         try:
+            check_run_dir(lock.path.parent)
             lock.acquire()
-        except RunLocked as exc:
-            refusal = (exc.message, exc.hint)
+        except (RunLocked, WritePathError) as exc:
+            refusal = (type(exc), exc.message, exc.hint)
     refusal = broadcast_object(rt, refusal)
     if refusal is not None:
-        raise RunLocked(*refusal)
+        kind, message, hint = refusal
+        raise kind(message, hint)
 
 
 def _reporting_failures(run: RunConfig, rt: Any, work: Callable[[], Any], s: Session | None = None) -> Any:

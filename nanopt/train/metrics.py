@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanopt.files import open_file, replace_file, replacing
 from nanopt.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -45,18 +46,13 @@ class MetricsLog:
             self.sinks.restart_after(step)
         if len(kept) == len(lines):
             return
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            tmp.replace(self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        replace_file(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, **fields, "time": round(time.time(), 3)}
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_file(self.path, "a", encoding="utf-8") as f:  # never through a link
             f.write(json.dumps(record, allow_nan=True) + "\n")
         if self.sinks is not None:  # after metrics.jsonl has it: a sink never costs the source of truth a record
             self.sinks.write(record)
@@ -185,13 +181,11 @@ def save_chart(fig: Any, path: Path) -> Path:
     """Save a figure as a PNG atomically (a kill never leaves half an image), marked as nanopt's, and close it."""
     import matplotlib.pyplot as plt
 
-    tmp = path.with_suffix(".tmp.png")
     try:
-        fig.savefig(tmp, metadata={"Software": CHART_SOFTWARE})
-        tmp.replace(path)
+        with replacing(path) as f:  # a file object: matplotlib never opens a path, which could be a link
+            fig.savefig(f, format="png", metadata={"Software": CHART_SOFTWARE})
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 

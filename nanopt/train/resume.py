@@ -22,6 +22,7 @@ from typing import Any
 
 from nanopt.config import ModelConfig, RunConfig, TrainConfig
 from nanopt.errors import ResumeError
+from nanopt.files import make_dir
 from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import sharded
@@ -135,9 +136,8 @@ def _start_fresh(s: Session) -> None:
     if not outputs:
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    aside = paths.previous / stamp
-    aside.mkdir(parents=True, exist_ok=True)
-    for path in outputs:
+    aside = make_dir(make_dir(paths.previous) / stamp)  # a link or a file at previous/ is refused, never followed
+    for path in outputs:  # rename moves a name, never what a link names (and check_run_dir refused links here)
         path.rename(aside / path.name)
     s.observer.note(f"starting from scratch (--resume none): the earlier checkpoints and metrics were moved to "
                     f"{aside} (delete it when you no longer need it)")

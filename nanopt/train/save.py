@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from nanopt.errors import CheckpointError
+from nanopt.errors import CheckpointError, NanoptError
 from nanopt.rundir import step_dir_name
 from nanopt.runtime import all_gather_object, broadcast_object, new_cpu_group
 from nanopt.train import checkpoint as ckpt
@@ -89,7 +89,7 @@ def wait_for_save(s: Session) -> None:
     outcome: tuple[str, str] | None = None
     try:
         published = pending.future.result()
-    except CheckpointError as exc:
+    except NanoptError as exc:  # a CheckpointError, or a link where the checkpoint goes (WritePathError)
         outcome = (exc.message, exc.hint)
     except Exception as exc:  # DCP's own failure on this rank (its shard could not be written)
         outcome = (f"could not write checkpoint {step_dir_name(pending.step)}: {str(exc).splitlines()[0][:200]}",
@@ -130,7 +130,7 @@ def _begin(s: Session) -> Path:
     if s.rt.is_main:
         try:
             tmp = ckpt.begin(s.run.run_dir, s.state.step)
-        except CheckpointError as exc:
+        except NanoptError as exc:  # a full disk, or a link where the checkpoint goes
             problem = (exc.message, exc.hint)
     problem, tmp = broadcast_object(s.rt, (problem, tmp))
     if problem is not None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from nanopt.errors import CheckpointError
+from nanopt.files import link_refused
 
 # torch.distributed.checkpoint is imported inside the functions that use it: it costs a process over a second to
 # import, and eval or export of a one-process checkpoint never needs it.
@@ -52,6 +53,7 @@ def save_async(state: dict[str, Any], directory: Path, group: Any, stager: Any =
     synced."""
     import torch.distributed.checkpoint as dcp
 
+    _refuse_link(directory)
     staging = {"async_stager": stager} if stager is not None else {}
     return dcp.async_save(state, checkpoint_id=str(directory), process_group=group, **staging)
 
@@ -80,7 +82,15 @@ def save(state: dict[str, Any], directory: Path, group: Any) -> None:
     """The same, waiting for the write (nanopt's benchmarks compare the two)."""
     import torch.distributed.checkpoint as dcp
 
+    _refuse_link(directory)
     dcp.save(state, checkpoint_id=str(directory), process_group=group)
+
+
+def _refuse_link(directory: Path) -> None:
+    """The `.tmp-step-N/` checkpoint.begin made on rank 0 is never a link: DCP writes wherever it is told. (A
+    directory another node does not see yet is DCP's to report, as before.)"""
+    if Path(directory).is_symlink():
+        raise link_refused(Path(directory))
 
 
 def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:

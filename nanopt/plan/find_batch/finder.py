@@ -11,6 +11,7 @@ from typing import Any
 from nanopt import errors
 from nanopt.config import RunConfig, TrainConfig
 from nanopt.errors import ConfigError, NanoptError
+from nanopt.files import check_run_dir
 from nanopt.model.flops import flops_per_token, mfu, mfu_note
 from nanopt.parsing import from_dict, read_json, save_json
 from nanopt.plan.find_batch.calibration import calibrate, predict_micro_batch
@@ -36,6 +37,7 @@ def find_batch(run: RunConfig, opts: FindBatchOptions, on_start: Callable[[int],
                on_trial: Callable[[Trial], None] | None = None) -> dict[str, Any]:
     """Search the micro-batch sizes, save runs/NAME/find_batch.json (rank 0) and return the report (every rank)."""
     opts.validate()
+    check_run_dir(run.run_dir)  # find_batch.json is written there at the end: a link there is refused now
     started = time.monotonic()
     world = ranks().world_size
     if world > 1:
