@@ -12,7 +12,8 @@ from trainhelp import HIDE_CUDA, make_run
 
 from nanopt.plan.profile_events import CATEGORIES, DATA_WAIT_LABEL, categorize, collect, device_wait
 
-SUMMARY_KEYS = {"run", "device", "precision", "compiled", "world_size", "micro_batch_size", "grad_accum", "seq_len",
+SUMMARY_KEYS = {"run", "device", "precision", "tf32", "compiled", "world_size", "micro_batch_size", "grad_accum",
+                "seq_len",
                 "tokens_per_step", "schedule", "step_time_s", "busy_s", "idle_s", "busy_share", "idle_share",
                 "busy_measure", "cpu_overhead_s", "cpu_overhead_share", "cpu_wait_s", "host_bound", "data_wait_s",
                 "data_wait_share", "categories", "top_ops", "peak_memory_bytes", "peak_memory_measure",
@@ -116,7 +117,8 @@ def test_summary_of_known_events():
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
                             micro_batch_size=2)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=2,
-                              rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", world_size=1),
+                              rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", tf32=False,
+                                                 world_size=1),
                               flops_per_token=1000, peak_flops=None, peak_source="no peak for CPUs",
                               memory=SimpleNamespace(peak=lambda: 123 << 20))
     # Two active steps of 300 and 500 us that waited 20 and 60 us for the loader; 183 us of operators in all.
@@ -179,7 +181,8 @@ def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
                             micro_batch_size=2)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
-                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", world_size=1),
+                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
+                                                 world_size=1),
                               flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
                               memory=SimpleNamespace(peak=lambda: 1 << 30))
     s = summarize(session, ProfileOptions(active=1, top=5), collected, [1200e-6], [0.0], compiled=False)

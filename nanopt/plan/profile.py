@@ -105,7 +105,7 @@ def profile_run(run: RunConfig, opts: ProfileOptions,
     from nanopt.runtime import init_runtime, shutdown
 
     opts.validate()
-    rt = init_runtime(run.train.precision)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     try:
         return _profile(run, rt, opts, on_step)
     finally:
@@ -202,7 +202,8 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
     utilization = mfu(tokens_per_s, session.flops_per_token, rt.world_size, session.peak_flops)
     data_wait = sum(waits) / steps
     return {
-        "run": str(run.run_dir), "device": rt.device.type, "precision": rt.precision, "compiled": compiled,
+        "run": str(run.run_dir), "device": rt.device.type, "precision": rt.precision, "tf32": rt.tf32,
+        "compiled": compiled,
         "world_size": rt.world_size, "parallelism": run.train.parallelism,
         "activation_checkpointing": run.train.activation_checkpointing,
         "micro_batch_size": run.train.micro_batch_size, "grad_accum": session.accum, "seq_len": run.seq_len,

@@ -44,7 +44,7 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
           observer: TrainObserver | None = None) -> dict[str, Any]:
     """Train a run directory to its budget, resuming if asked; returns the end-of-run summary (on every rank)."""
     opts = opts or TrainOptions()
-    rt = init_runtime(run.train.precision)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     lock = RunLock(run.run_dir)
     try:
         _lock_on_rank0(rt, lock)
@@ -146,6 +146,7 @@ def _announce(s: Session) -> None:
         f"{s.run.run_dir}: {params:,} parameters, {s.total_steps} steps of {s.run.train.global_batch_tokens:,} "
         f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
         f"{s.accum} accumulation), {s.rt.device.type} {s.rt.precision}"
+        f"{' without TF32' if s.rt.device.type == 'cuda' and not s.rt.tf32 else ''}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
 
 

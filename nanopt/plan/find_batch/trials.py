@@ -33,7 +33,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     from nanopt.train.step import step
 
     compiled = resolve_compile(run.train.compile, rt.device)
-    peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
+    peak_flops, peak_source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     probe.reset()
     baseline = probe.current()
     session, status, detail, times = None, "ok", "", []
@@ -92,7 +92,7 @@ def _trial_process(run: RunConfig, steps: int, gpu_memory: int | None, conn: Any
 
     _exit_when_gone(requester)
     try:
-        rt = init_runtime(run.train.precision)
+        rt = init_runtime(run.train.precision, tf32=run.train.tf32)
         result = measure(run, rt, steps, MemoryProbe(rt.device, gpu_memory))
     except NanoptError as exc:
         result = {"status": "user_error", "kind": type(exc).__name__, "message": exc.message, "hint": exc.hint}
@@ -268,7 +268,7 @@ class InProcessTrials:
         from nanopt.runtime import device_peak_flops
         from nanopt.train.parallel import resolve_compile
 
-        peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision)
+        peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision, self.rt.tf32)
         return {"device": self.rt.device.type, "device_name": device_name(self.rt.device),
                 "device_memory_bytes": self.probe.device_memory_bytes, "context_bytes": self.probe.context_bytes,
                 "precision": self.rt.precision, "compiled": resolve_compile(self.run.train.compile, self.rt.device),
