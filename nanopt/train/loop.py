@@ -25,6 +25,7 @@ from nanopt.train import phases
 from nanopt.train.events import TrainObserver
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
+from nanopt.train.oom import is_out_of_memory, out_of_memory_error
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -81,6 +82,8 @@ def _reporting_failures(run: RunConfig, rt: Any, work: Callable[[], Any], s: Ses
         quiesce(rt)
         raise
     except RuntimeError as exc:
+        if is_out_of_memory(exc):  # torch.OutOfMemoryError is a RuntimeError
+            raise out_of_memory_error(exc, rt.device, s.state.step + 1 if s else None, _latest(run)) from None
         if rt.distributed and _lost_peer(exc):
             raise _peer_error(run, rt, s, exc) from None
         raise

@@ -16,6 +16,7 @@ from nanopt.config import RunConfig
 from nanopt.errors import NanoptError
 from nanopt.plan.find_batch.search import FindBatchOptions, agree, judge, memory_limit, trial_run, usable_bytes
 from nanopt.runtime import MemoryProbe, device_name
+from nanopt.train.oom import is_out_of_memory
 
 POLL_S = 0.02  # how often the parent samples a CPU trial's resident memory
 PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
@@ -46,7 +47,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
                 torch.cuda.synchronize(rt.device)
             times.append(time.perf_counter() - started)
     except RuntimeError as exc:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
-        if not _is_oom(exc):
+        if not is_out_of_memory(exc):
             raise
         status, detail = "oom", str(exc).strip().splitlines()[0][:300]
     peak = probe.peak()
@@ -122,14 +123,7 @@ def _exit_when_gone(pid: int, every_s: float = 1.0) -> None:
 
 
 def _crash_reason(exc: BaseException, last_line: str) -> str:
-    return ("oom: " if _is_oom(exc) else "") + last_line[:300]
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    text = str(exc).lower()
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "cublas_status_alloc_failed" in text
+    return ("oom: " if is_out_of_memory(exc) else "") + last_line[:300]
 
 
 # ------------------------------------------------------------------------------------------ trial runners
