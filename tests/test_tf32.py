@@ -82,3 +82,15 @@ print(repr((off, on)))
     off, on = ast.literal_eval(result.stdout.strip().splitlines()[-1])
     assert off[:4] == (False, False, False, "ieee") and on[:4] == (True, True, True, "tf32")
     assert off[4] < 1e-3 < on[4]  # fp32's 24-bit mantissa against TF32's 11 bits, over sums of 256 products
+
+
+def test_eval_scores_a_run_in_its_own_precision_and_records_it(tmp_path: Path, tiny_dataset: Path, launcher):
+    # Not "auto" (bf16 on any GPU): a bf16 run in bf16 (here on the CPU), as its in-loop validation measured it.
+    from faulthelp import tiny_run
+
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=2, eval_interval=0, precision="bf16")
+    launcher.train(run)
+    result = launcher.run("eval", run, "--json", "--tokens", "256")
+    assert result.status == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout)  # one run: its record
+    assert record["precision"] == "bf16" and record["tf32"] is False  # no TF32 off a GPU
