@@ -127,8 +127,7 @@ def allocator_settings(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bool = True) -> Runtime:
-    """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU); on CUDA, fp32
-    matmuls on TF32 tensor cores unless `tf32` is False (train.json "tf32")."""
+    """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU); TF32 per `tf32`."""
     import torch
     import torch.distributed as dist
 
@@ -151,10 +150,9 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bo
 
 
 def with_tf32(rt: Runtime, enabled: bool) -> Runtime:
-    """`rt` with fp32 matmuls and cuDNN convolutions on TF32 tensor cores (CUDA), or in true fp32 (`enabled` False,
-    train.json "tf32": a reference for bf16 runs). Through the legacy flags only: they read back consistently
-    through the newer fp32_precision API too (torch 2.9+), while setting per-backend fp32_precision values beside
-    them makes torch raise "mix of the legacy and new APIs" (inside Inductor too). Set nowhere else."""
+    """`rt` with CUDA's fp32 matmuls and convolutions on TF32 tensor cores, or in true fp32 (train.json "tf32").
+    Legacy flags only, set nowhere else: torch 2.9+ reads them back through fp32_precision too, but raises on a "mix
+    of the legacy and new APIs" (inside Inductor too) if per-backend fp32_precision values are set beside them."""
     if rt.device.type != "cuda":
         return rt
     import torch
@@ -301,8 +299,8 @@ def barrier(rt: Runtime) -> None:
 
 
 def device_peak_flops(device: torch.device, precision: str, tf32: bool = True) -> tuple[float | None, str]:
-    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table), and where it came from. fp32 without
-    TF32 (train.json "tf32": false) has no peak in the table: none, rather than TF32's."""
+    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table; none for fp32 without TF32), and
+    where it came from."""
     if device.type != "cuda":
         return None, "no peak for CPUs"
     if precision == "fp32" and not tf32:
