@@ -1,7 +1,8 @@
 # nanopt: `make demo` runs the whole lifecycle on the CPU; `make test` runs the test suite.
 # Everything installs into .venv. On a machine without an NVIDIA GPU torch comes as the small CPU build (from a
-# local wheelhouse in pip's find-links if it has one, else PyTorch's CPU index); with one (nvidia-smi works), as the
-# normal CUDA build from PyPI.
+# local wheelhouse in pip's find-links if it has one, else PyTorch's CPU index); with one (nvidia-smi lists a GPU), as
+# the normal CUDA build from PyPI, checked to see the GPU. A .venv holding a CPU build gets the CUDA build the first
+# time `make install` runs on a machine with a GPU.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,8 +11,14 @@ PIP    := $(PY) -m pip
 NANOPT := $(VENV)/bin/nanopt
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION   ?= 2.13.*
+# "cuda" where an NVIDIA GPU answers, else "cpu": the install stamp names it, so a .venv made on a CPU machine (or
+# before the driver worked) is looked at again on a machine with a GPU.
+HOST_TORCH := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# pip without its configuration files and find-links, for the CUDA build from PyPI: a local wheelhouse of CPU wheels
+# in find-links (development machines have one) would win, as torch 2.13.0+cpu sorts above 2.13.0 and matches.
+PIP_PYPI := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS=
 
-.PHONY: install demo test lint bench clean-demo help
+.PHONY: install check-gpu-torch demo test lint bench clean-demo help
 
 help:
 	@echo "make install   create .venv with nanopt, torch (CPU or CUDA build) and the dev tools"
@@ -20,16 +27,20 @@ help:
 	@echo "make lint      ruff, and the import contract (.importlinter: each layer imports only from below)"
 	@echo "make bench     the benchmark scripts in bench/"
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-$(HOST_TORCH)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	@if [ "$*" = cuda ] && $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') is a CPU build, on a machine with an NVIDIA GPU: replacing it"; \
+		$(PIP) uninstall -q -y torch; \
+	fi
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "NVIDIA GPU found: installing the CUDA build of torch"; \
-		$(PIP) install -q "torch==$(TORCH_VERSION)"; \
+	elif [ "$*" = cuda ]; then \
+		echo "NVIDIA GPU found: installing the CUDA build of torch from PyPI"; \
+		$(PIP_PYPI) $(PIP) install -q "torch==$(TORCH_VERSION)"; \
 	else \
 		echo "No NVIDIA GPU: installing the CPU build of torch"; \
 		if $(PIP) install -q --dry-run --no-deps --no-index "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
@@ -40,7 +51,22 @@ $(VENV)/.installed: pyproject.toml
 		fi; \
 	fi
 	$(PIP) install -q -e ".[dev]"
+	@$(MAKE) --no-print-directory check-gpu-torch
 	touch $@
+
+# Where nvidia-smi lists a GPU, torch must be a CUDA build that can use it; else say why (the driver) and fail.
+check-gpu-torch:
+	@if nvidia-smi -L >/dev/null 2>&1 && ! build=$$($(PY) -c 'import sys, torch; v = torch.version.cuda; \
+			print(torch.__version__, f"(built for CUDA {v})" if v else "(a CPU build)"); \
+			sys.exit(not (v and torch.cuda.is_available()))'); then \
+		driver=$$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1); \
+		echo "error: this machine has an NVIDIA GPU (driver $$driver), but torch $$build cannot use it." \
+			"Hint: \`rm -f $(VENV)/.installed-*; make install\` replaces a CPU build; a CUDA build needs a" \
+			"driver that supports its CUDA version (nvidia-smi shows the highest it supports): update the" \
+			"driver, or install a torch built for an older CUDA, e.g. $(PIP) install --force-reinstall torch" \
+			"--index-url https://download.pytorch.org/whl/cu126" >&2; \
+		exit 1; \
+	fi
 
 # The demo: the built-in corpus (Python's own standard library) -> a tiny Llama trained on the CPU -> eval.
 demo: install

@@ -146,6 +146,7 @@ class TrainConfig:
     log_interval: int = 10
     seed: int = 1337
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
     activation_checkpointing: bool = False
     parallelism: Parallelism = "ddp"

@@ -42,8 +42,9 @@ GPUS: dict[str, GPU] = {g.key: g for g in (
     GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989.4, 494.7, 80 * GIB, 2.99, ("h100",)),
     GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.0, 378.0, 80 * GIB, 2.49, ("h100", "pcie")),
     GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5, 417.5, 94 * GB, 2.79, ("h100", "nvl")),
-    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 141 * GB, 3.79, ("h200",)),
-    GPU("h200-nvl", "NVIDIA H200 NVL 141GB", 835.5, 417.5, 141 * GB, 3.49, ("h200", "nvl")),
+    # "141GB" is binary: the H200 reports 143,771 MiB (140.4 GiB) to torch and nvidia-smi; 141 * GB is 131.3 GiB.
+    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 141 * GIB, 3.79, ("h200",)),
+    GPU("h200-nvl", "NVIDIA H200 NVL 141GB", 835.5, 417.5, 141 * GIB, 3.49, ("h200", "nvl")),
     GPU("gh200", "NVIDIA GH200 96GB", 989.4, 494.7, 96 * GB, 1.49, ("gh200",)),
     GPU("b200", "NVIDIA B200 180GB", 2250.0, 1100.0, 180 * GB, 5.99, ("b200",)),
     GPU("l40s", "NVIDIA L40S 48GB", 362.05, 183.0, 48 * GB, 1.09, ("l40s",)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import datetime
 import os
 import random
@@ -75,6 +76,7 @@ class Runtime:
     local_rank: int
     world_size: int
     precision: str  # "bf16" or "fp32", resolved from "auto"
+    tf32: bool = False  # fp32 matmuls and convolutions run on TF32 tensor cores (CUDA, train.json "tf32")
 
     @property
     def distributed(self) -> bool:
@@ -124,8 +126,8 @@ def allocator_settings(environ: Mapping[str, str] | None = None) -> str | None:
     return "expandable_segments:True"
 
 
-def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runtime:
-    """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU)."""
+def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bool = True) -> Runtime:
+    """Pick the device, join the process group under torchrun (NCCL on CUDA, gloo on the CPU); TF32 per `tf32`."""
     import torch
     import torch.distributed as dist
 
@@ -137,19 +139,26 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None) -> Runti
             torch.cuda.memory._set_allocator_settings(settings)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # fp32 matmuls on tensor cores, through the legacy flags only: they read back consistently through the
-        # newer fp32_precision API too (torch 2.9+), while setting per-backend fp32_precision values beside them
-        # makes torch raise "mix of the legacy and new APIs" (inside Inductor too). Set TF32 nowhere else.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return Runtime(device=device, rank=rank, local_rank=local_rank, world_size=world,
-                   precision=resolve_precision(precision, device))
+    return with_tf32(Runtime(device=device, rank=rank, local_rank=local_rank, world_size=world,
+                             precision=resolve_precision(precision, device)), tf32)
+
+
+def with_tf32(rt: Runtime, enabled: bool) -> Runtime:
+    """`rt` with CUDA's fp32 matmuls and convolutions on TF32 tensor cores, or in true fp32 (train.json "tf32").
+    Legacy flags only, set nowhere else: torch 2.9+ reads them back through fp32_precision too, but raises on a "mix
+    of the legacy and new APIs" (inside Inductor too) if per-backend fp32_precision values are set beside them."""
+    if rt.device.type != "cuda":
+        return rt
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    return dataclasses.replace(rt, tf32=enabled)
 
 
 def new_cpu_group(rt: Runtime) -> Any:
@@ -289,10 +298,13 @@ def barrier(rt: Runtime) -> None:
 # ------------------------------------------------------------------------------------- what the device holds
 
 
-def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table), and where it came from."""
+def device_peak_flops(device: torch.device, precision: str, tf32: bool = True) -> tuple[float | None, str]:
+    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table; none for fp32 without TF32), and
+    where it came from."""
     if device.type != "cuda":
         return None, "no peak for CPUs"
+    if precision == "fp32" and not tf32:
+        return None, "no peak for fp32 without TF32 (train.json \"tf32\": false)"
     import torch
 
     gpu = detect_gpu(torch.cuda.get_device_name(device))
@@ -328,8 +340,9 @@ def device_name(device: Any) -> str:
 
 class MemoryProbe:
     """Peak memory, as nanopt reports it everywhere (train metrics, profile, find-batch, and what the memory model
-    of nanopt.model.memory predicts): on CUDA the caching allocator's peak reserved bytes plus the CUDA context,
-    i.e. what the process holds on the device and what decides an out-of-memory error; on the CPU the process's
+    of nanopt.model.memory predicts): on CUDA the caching allocator's peak reserved bytes plus the CUDA context (or
+    the device's used memory when read, if larger), i.e. what the process holds on the device and what decides an
+    out-of-memory error; on the CPU the process's
     peak resident set size (VmHWM, which Linux lets a process reset through /proc/self/clear_refs).
 
     Reserved, not allocated: the allocator keeps freed blocks for reuse, and they count against the device's
@@ -370,7 +383,10 @@ class MemoryProbe:
         import torch
 
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes
+            # Or what the device has lost now, if more: memory taken outside the caching allocator since the probe
+            # was made (cuBLAS and cuDNN handles and workspaces, kernels loaded on first use) is in neither term.
+            free, total = torch.cuda.mem_get_info(self.device)
+            return max(int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes, total - free)
         return _rss_bytes("VmHWM")
 
 

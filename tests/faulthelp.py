@@ -58,6 +58,29 @@ for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer"
         importlib.import_module(name)
     except ImportError:
         pass
+
+
+# SIGKILL this process as the training loader hands out step `step`'s first batch, once `latest` in `checkpoints`
+# names `latest`: a kill at a known point, however fast the steps are (a GPU's take milliseconds).
+def kill_at_step(step, checkpoints, latest):
+    import time
+    from pathlib import Path
+    from nanopt.data.loader import TrainLoader
+    from nanopt.train.checkpoint import read_pointer
+
+    original = TrainLoader.next_batch
+
+    def next_batch(self):
+        if self.step + 1 >= step and self.micro_step == 0:
+            deadline = time.monotonic() + 60  # the background save publishes meanwhile (a thread of its own)
+            while read_pointer(Path(checkpoints), "latest") != latest and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self)
+
+    TrainLoader.next_batch = next_batch
+
+
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
@@ -70,6 +93,8 @@ for line in sys.stdin:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
         os.environ.update(request.get("env") or {})  # this command's own variables (torchrun's ranks inherit them)
+        if request.get("kill_at_step"):
+            kill_at_step(**request["kill_at_step"])
         sys.argv = ["nanopt", *request["argv"]]
         code = 0
         try:
@@ -138,16 +163,18 @@ class Launcher:
         return self.lines.get(timeout=timeout)
 
     def start(self, *argv: object, fsize: int | None = None, env: dict[str, str] | None = None,
-              gpu: bool = False) -> Child:
+              gpu: bool = False, kill_at_step: dict | None = None) -> Child:
         """Fork `nanopt ARGV`; `env` adds to (or overrides) the launcher's environment for this command only.
         The command sees no GPU (CPU numbers, as the tests expect) unless `gpu` asks for one and the host has a GPU
-        per rank (trainhelp.device_env); the launcher never initializes CUDA, so the forked command decides."""
+        per rank (trainhelp.device_env); the launcher never initializes CUDA, so the forked command decides.
+        `kill_at_step` ({"step": N, "checkpoints": DIR, "latest": NAME}): the command SIGKILLs itself as training
+        reads step N's first batch, once DIR's `latest` names NAME (LAUNCHER's kill_at_step)."""
         self._end_leftover()
         self.count += 1
         child = Child(0, self.logs / f"{self.count}.out", self.logs / f"{self.count}.err")
         args = [str(a) for a in argv]
         request = {"argv": args, "stdout": str(child.out), "stderr": str(child.err), "fsize": fsize,
-                   "env": {**device_env(world_size_of(args), gpu), **(env or {})}}
+                   "env": {**device_env(world_size_of(args), gpu), **(env or {})}, "kill_at_step": kill_at_step}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         child.pid = self._next()["pid"]

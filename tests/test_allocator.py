@@ -34,3 +34,21 @@ def test_training_runtime_allocates_expandable_segments(env: dict, expandable: b
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(expandable)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_counts_what_the_device_lost_outside_the_allocator():
+    # cuBLAS and cuDNN take handles, workspaces and kernels outside the caching allocator on first use, after the
+    # probe measured the CUDA context: the peak must still cover all the device has lost, read as the driver does.
+    from nanopt.runtime import MemoryProbe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    probe = MemoryProbe(device)
+    probe.reset()
+    x = torch.randn(512, 512, device=device)
+    image = torch.randn(2, 3, 64, 64, device=device)
+    (x @ x).sum().item()
+    torch.nn.functional.conv2d(image, torch.randn(8, 3, 3, 3, device=device)).sum().item()
+    free, total = torch.cuda.mem_get_info(device)
+    assert probe.peak() >= total - free

@@ -165,3 +165,75 @@ def test_the_compile_report_counts_a_skipped_frame_as_a_graph_break():
     assert report["skipped_frames"] >= 1
     assert report["graph_breaks"] >= report["skipped_frames"]
     assert any("skipped" in reason["reason"] for reason in report["break_reasons"]), report
+
+
+def _tiny_llama(chunk_rows: int = 8) -> Transformer:
+    from nanopt.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY_MODEL, "architecture": "llama", "vocab_size": 64,
+                                       "num_key_value_heads": 1}))
+    model.loss_chunk_rows = chunk_rows  # the chunked loss and its custom op, as GPT-2 and Llama shapes take on a GPU
+    return model
+
+
+@pytest.mark.slow  # Inductor's C++ compilation: minutes on a 2-core CPU with a cold cache, ~15 s with a warm one
+def test_inductor_compiles_training_in_one_graph_and_evaluation_in_one_more():
+    """What a GPU run compiles, with Inductor itself (not aot_eager): bf16 autocast, cuDNN attention asked for, the
+    chunked loss. Training is one graph with no break; the no-grad evaluation (validation's eval mode) adds exactly
+    one, and neither compiles again when it comes back."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny_llama()
+    model.prefer_cudnn_attention(True)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="inductor", dynamic=False, fullgraph=True)
+
+    def train_step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled(ids[:, :-1], ids[:, 1:])
+        model.train()
+
+    train_step()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    evaluate()
+    assert counters["stats"]["unique_graphs"] == 2  # one recompile: grad mode (and the eval flag)
+    train_step()
+    evaluate()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_the_hopper_branch_traces_whole(monkeypatch):
+    """On an sm90 GPU attention prefers cuDNN by default: `_is_hopper`, a constant to Dynamo that takes an argument,
+    decides, and the cuDNN-first SDPA context follows. Both must trace with fullgraph=True (here with the device's
+    capability faked to (9, 0) by a function Dynamo cannot trace, and the CPU device routed to that check)."""
+    from nanopt.model import transformer
+
+    asked = []
+
+    @torch._dynamo.disable  # as opaque to Dynamo as the real query of the driver: traced into, it breaks the graph
+    def capability(device=None):
+        asked.append(device)
+        return (9, 0)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(transformer, "cudnn_attention_by_default", lambda device: transformer._is_hopper(device.index))
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    expected = model(ids[:, :-1], ids[:, 1:])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert asked  # the Hopper check ran while tracing
+    assert torch.allclose(loss.float(), expected, atol=5e-2) and torch.isfinite(loss)

@@ -56,6 +56,7 @@ TRAIN_MISTAKES = [
     ({"parallelism": "tensor"}, "key 'parallelism'", "ddp"),
     ({"beta2": 1.0}, "key 'beta2'", "[0, 1)"),
     ({"compile": "yes"}, "key 'compile'", "auto"),
+    ({"tf32": "off"}, "key 'tf32'", "true or false"),
 ]
 
 

@@ -10,11 +10,12 @@ import torch
 from clihelp import run_cli
 from trainhelp import HIDE_CUDA, make_run
 
-from nanopt.plan.profile import CATEGORIES, DATA_WAIT_LABEL, categorize
+from nanopt.plan.profile_events import CATEGORIES, DATA_WAIT_LABEL, categorize, collect, device_wait
 
-SUMMARY_KEYS = {"run", "device", "precision", "compiled", "world_size", "micro_batch_size", "grad_accum", "seq_len",
+SUMMARY_KEYS = {"run", "device", "precision", "tf32", "compiled", "world_size", "micro_batch_size", "grad_accum",
+                "seq_len",
                 "tokens_per_step", "schedule", "step_time_s", "busy_s", "idle_s", "busy_share", "idle_share",
-                "busy_measure", "cpu_overhead_s", "cpu_overhead_share", "host_bound", "data_wait_s",
+                "busy_measure", "cpu_overhead_s", "cpu_overhead_share", "cpu_wait_s", "host_bound", "data_wait_s",
                 "data_wait_share", "categories", "top_ops", "peak_memory_bytes", "peak_memory_measure",
                 "tokens_per_s", "mfu", "peak_flops", "peak_source", "compile", "trace", "tensorboard_dir",
                 "summary_path"}
@@ -94,7 +95,7 @@ def test_summary_of_known_events():
 
     from torch.autograd import DeviceType
 
-    from nanopt.plan.profile import ProfileOptions, _collect, summarize
+    from nanopt.plan.profile import ProfileOptions, summarize
 
     def event(name: str, self_us: float, parent=None):
         return SimpleNamespace(name=name, self_cpu_time_total=self_us, cpu_parent=parent,
@@ -106,7 +107,7 @@ def test_summary_of_known_events():
     wait = event(DATA_WAIT_LABEL, 7, step)
     events = [step, adamw, event("aten::mul", 30, adamw), attention, event("aten::mm", 40, attention), wait,
               event("aten::index", 20, wait), event("aten::mul", 11, step), event("aten::mm", 60, step)]
-    collected = _collect(SimpleNamespace(events=lambda: events), on_cuda=False)
+    collected = collect(SimpleNamespace(events=lambda: events), on_cuda=False)
     assert sorted(collected["host"]) == sorted([
         ("Optimizer.step#AdamW.step", "optimizer", 10), ("aten::mul", "optimizer", 30),
         ("aten::scaled_dot_product_attention", "attention", 5), ("aten::mm", "attention", 40),
@@ -116,7 +117,8 @@ def test_summary_of_known_events():
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
                             micro_batch_size=2)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=2,
-                              rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", world_size=1),
+                              rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", tf32=False,
+                                                 world_size=1),
                               flops_per_token=1000, peak_flops=None, peak_source="no peak for CPUs",
                               memory=SimpleNamespace(peak=lambda: 123 << 20))
     # Two active steps of 300 and 500 us that waited 20 and 60 us for the loader; 183 us of operators in all.
@@ -138,6 +140,67 @@ def test_summary_of_known_events():
     assert [op["seconds_per_step"] for op in s["top_ops"]] == pytest.approx([30e-6, 20e-6, 15e-6])
     assert [op["share"] for op in s["top_ops"]] == pytest.approx([60 / 183, 40 / 183, 30 / 183])
     assert [op["calls_per_step"] for op in s["top_ops"]] == [0.5, 0.5, 0.5]
+
+
+def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
+    """A GPU step as the profiler reports it: the step's ProfilerStep#N annotation mirrored on the GPU timeline from
+    its first kernel to its last (and listed among the kernels its CPU event launched), kernels with idle gaps
+    between them, and the host blocked in CUDA calls (a .tolist() copy, a stream and a device synchronize).
+
+    Busy is the kernels' and copies' time, not the annotation's span; the waits are not host overhead; so the step,
+    whose GPU work is 5x the host's own time, is not host-bound. (Counted as before: busy 100%, overhead 1060 us
+    against 1000 us busy, host-bound.)"""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from nanopt.plan.profile import ProfileOptions, summarize
+
+    def cpu(name: str, self_us: float, parent=None, kernels=()):
+        return SimpleNamespace(name=name, self_cpu_time_total=self_us, cpu_parent=parent, device_type=DeviceType.CPU,
+                               is_async=False, kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+
+    def gpu(name: str, start: float, end: float, annotation: bool = False):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_async=False, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    gemm, add, copy = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "vectorized_elementwise_kernel", "Memcpy DtoH"
+    step = cpu("ProfilerStep#3", 50, kernels=[("ProfilerStep#3", 1000)])
+    mm = cpu("aten::mm", 30, step, kernels=[(gemm, 200)])
+    item = cpu("aten::_local_scalar_dense", 5, step, kernels=[(copy, 10)])
+    events = [step, mm, cpu("cudaLaunchKernel", 10, mm), cpu("aten::add", 15, step, kernels=[(add, 100)]), item,
+              cpu("cudaMemcpyAsync", 300, item), cpu("cudaStreamSynchronize", 100, item),
+              cpu("cudaDeviceSynchronize", 600),
+              gpu("ProfilerStep#3", 0, 1000, annotation=True), gpu(gemm, 100, 300), gpu(add, 400, 500),
+              gpu(copy, 700, 710)]
+    collected = collect(SimpleNamespace(events=lambda: events), on_cuda=True)
+    assert sorted(collected["waits"]) == [100, 300, 600]
+    assert sorted(collected["intervals"]) == [(100, 300), (400, 500), (700, 710)]
+    assert sorted(name for name, _, _ in collected["kernels"]) == sorted([gemm, add, copy])
+
+    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
+                            micro_batch_size=2)
+    session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
+                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
+                                                 world_size=1),
+                              flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
+                              memory=SimpleNamespace(peak=lambda: 1 << 30))
+    s = summarize(session, ProfileOptions(active=1, top=5), collected, [1200e-6], [0.0], compiled=False)
+    assert s["busy_s"] == pytest.approx(310e-6) and s["idle_s"] == pytest.approx(890e-6)
+    assert s["cpu_overhead_s"] == pytest.approx(60e-6) and s["cpu_wait_s"] == pytest.approx(1000e-6)
+    assert s["host_bound"] is False
+    assert [op["name"] for op in s["top_ops"]] == [gemm, add, copy]
+    shares = {c["category"]: c["share"] for c in s["categories"]}
+    assert shares["matmul"] == pytest.approx(200 / 310) and shares["other"] == 0
+
+
+@pytest.mark.parametrize(("name", "waits"), [
+    ("cudaDeviceSynchronize", True), ("cudaStreamSynchronize", True), ("cudaEventSynchronize", True),
+    ("cudaMemcpy", True), ("cudaMemcpyAsync", True), ("cuStreamSynchronize", True), ("hipDeviceSynchronize", True),
+    ("cudaLaunchKernel", False), ("cudaMemsetAsync", False), ("cudaStreamWaitEvent", False), ("aten::copy_", False),
+    ("aten::_local_scalar_dense", False), ("cudaGetDeviceProperties", False)])
+def test_which_runtime_calls_are_the_host_waiting_for_the_gpu(name: str, waits: bool):
+    assert device_wait(name) is waits
 
 
 def test_trace_is_a_chrome_trace_with_the_data_wait_label(profiled):
@@ -192,6 +255,8 @@ def test_gpu_profile_with_compile(tmp_path: Path, tiny_dataset: Path):
     s = json.loads(result.stdout)
     assert s["device"] == "cuda" and s["busy_measure"].startswith("GPU")
     assert 0 < s["busy_share"] <= 1
+    # The synchronize after each profiled step is the host waiting, counted apart; no annotation is a kernel.
+    assert s["cpu_wait_s"] > 0 and not any(op["name"].startswith("ProfilerStep") for op in s["top_ops"])
     assert s["mfu"] is not None or s["peak_source"].startswith("unknown GPU")
     assert s["compile"]["enabled"] and s["compile"]["graphs"] >= 1
     shares = {c["category"]: c["share"] for c in s["categories"]}

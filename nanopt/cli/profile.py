@@ -40,6 +40,8 @@ def profile_command(
     warmup: int = typer.Option(2, "--warmup", help="Steps profiled then discarded (profiler start-up)."),
     record_shapes: bool = typer.Option(False, "--record-shapes/--no-record-shapes", help="Record operator input "
                                        "shapes (a larger trace, more overhead)."),
+    profile_memory: bool = typer.Option(False, "--profile-memory/--no-profile-memory", help="Record allocations "
+                                        "in the trace (a larger trace, slower to write and summarize)."),
     top: int = typer.Option(15, "--top", help="Operators / kernels to list."),
     out: Path | None = typer.Option(None, "--out", help="Directory for the traces and summary.json (default: "
                                                         "RUN_DIR/profile)."),
@@ -55,8 +57,8 @@ def profile_command(
 
     launch_if_asked(nproc_per_node)
     run = load_run_config(run_dir, sets)
-    opts = ProfileOptions(wait=wait, warmup=warmup, active=steps, record_shapes=record_shapes, top=top,
-                          out_dir=out, tensorboard=tensorboard)
+    opts = ProfileOptions(wait=wait, warmup=warmup, active=steps, record_shapes=record_shapes,
+                          profile_memory=profile_memory, top=top, out_dir=out, tensorboard=tensorboard)
     main = ranks().is_main
     with _progress(main) as on_step:
         summary = profile_run(run, opts, on_step=on_step)
@@ -125,6 +127,8 @@ def _overview(s: dict[str, Any]) -> Table:
         host_note = "; host-bound: the GPU waits for the CPU" if s["host_bound"] else ""
         rows.append(("host time in operators + launches",
                      f"{seconds(s['cpu_overhead_s'])} ({fmt.percent(s['cpu_overhead_share'])}){host_note}"))
+        rows.append(("host waiting for the GPU", f"{seconds(s['cpu_wait_s'])} (synchronize calls and copies; "
+                     "not overhead)"))
     rows += [
         ("data-loader wait", f"{seconds(s['data_wait_s'])} ({fmt.percent(s['data_wait_share'])})"),
         ("peak memory", f"{fmt.size(s['peak_memory_bytes'])} ({s['peak_memory_measure']})"),

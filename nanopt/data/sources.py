@@ -4,7 +4,8 @@
   its documentation, and any .txt / .rst files shipped with it), one document per file, in sorted path order. It
   needs no download, so the CPU demo works offline.
 - Local files, folders and globs (txt, json / jsonl, parquet, optionally .gz / .bz2 / .xz / .zst compressed), read
-  through the same `datasets.load_dataset(..., streaming=True)` calls as a hub dataset.
+  through the same `datasets.load_dataset(..., streaming=True)` calls as a hub dataset; without `datasets` installed,
+  text and JSON files are read by nanopt.data.plain_files, into the same documents in the same order.
 - A Hugging Face hub dataset by name, streamed (`streaming=True`), so a 100B-token corpus is never downloaded whole.
 
 Local text and JSON files (and the built-in corpus) are checked before anything is read for tokenizing
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from nanopt.data.plain_files import check_column, datasets_installed, needs_datasets, plain_values
 from nanopt.data.textcheck import COMPRESSIONS, TextFile, first_line
 from nanopt.errors import ConfigError, DataError
 
@@ -135,10 +137,16 @@ class FileSource:
     def __init__(self, spec: str, text_column: str = "text", sample_by: str = "document") -> None:
         self.spec, self.text_column, self.sample_by = spec, text_column, sample_by
         self.groups = _group_by_builder(_resolve_files(spec), spec)
+        if "parquet" in self.groups and not datasets_installed():
+            raise needs_datasets(f"{spec}: reading parquet files")
 
     def texts(self) -> Iterator[str]:
+        plain = not datasets_installed()
         for builder, files in self.groups.items():
             column = "text" if builder == "text" else self.text_column
+            if plain:
+                yield from as_texts(plain_values(builder, files, column, self.sample_by, self.spec), column)
+                continue
             stream = _load_stream(builder, f"files {self.spec}", data_files=[str(f) for f in files], split="train",
                                   **_builder_options(builder, self.sample_by))
             yield from _column_texts(stream, column, self.spec)
@@ -272,6 +280,8 @@ class _DatasetsLogHeld(logging.Handler):
 
 
 def _load_stream(path: str, what: str, **kwargs: Any) -> Any:
+    if not datasets_installed():
+        raise needs_datasets(f"opening {what}")
     import datasets
 
     try:
@@ -286,11 +296,11 @@ def _load_stream(path: str, what: str, **kwargs: Any) -> Any:
 def _column_texts(stream: Any, column: str, spec: str) -> Iterator[str]:
     names = stream.column_names
     if names is not None:
-        _check_column(column, names, spec)
+        check_column(column, names, spec)
         stream = stream.select_columns([column])
     for rows in _read_batches(stream, spec):
         if column not in rows:
-            _check_column(column, list(rows), spec)
+            check_column(column, list(rows), spec)
         yield from as_texts(rows[column], column)
 
 
@@ -307,13 +317,6 @@ def _read_batches(stream: Any, spec: str) -> Iterator[dict[str, list]]:
             raise DataError(f"{spec}: reading failed: {type(exc).__name__}: {first_line(exc)}",
                             "check that the files are valid (json: one object per line) and readable") from None
         yield batch
-
-
-def _check_column(column: str, names: Iterable[str], spec: str) -> None:
-    names = list(names)
-    if column not in names:
-        raise DataError(f"{spec}: no text column '{column}' (columns: {', '.join(names) or 'none'})",
-                        "name the column holding the text with --text-column")
 
 
 def as_texts(values: Iterable[Any], column: str = "text") -> Iterator[str]:

@@ -35,7 +35,7 @@ from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
 from nanopt.parsing import INT64_MAX, check_option, save_json
 from nanopt.rundir import EVAL_FILE, RunDir
-from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown
+from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown, with_tf32
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
 from nanopt.train.phases import newest_per_session
@@ -115,7 +115,8 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     if not opts.loss:
         return sample_run(rt, run_dir, trained, opts.samples)
     # The run's own precision setting, so test and in-loop validation losses are measured alike.
-    rt = replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device))
+    rt = with_tf32(replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device)),
+                   trained.run.train.tf32)
     micro_batch_size = opts.micro_batch_size or trained.run.train.micro_batch_size
     batches = eval_batches(trained.dataset, SPLIT, trained.run.seq_len, micro_batch_size, rt.rank, rt.world_size,
                            opts.tokens)
@@ -142,7 +143,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         **training_record(trained),
         "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": settings,
         "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
-        "precision": rt.precision, "eval_seconds": seconds,
+        "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, RunDir(run_dir).eval_json])

@@ -74,7 +74,7 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
     check_run_dir(run.run_dir)  # preflight.json is written there at the end: a link there is refused now
     billed_from = opts.started if opts.started is not None else time.time()
     run, micro_batch, searching_s = _micro_batch(run, opts, on_trial)
-    rt = init_runtime(run.train.precision)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     try:
         measured = _measure(run, rt, opts, billed_from + searching_s, micro_batch, on_progress or _silent)
         report = build_report(run, rt, opts.price_per_hour, measured)

@@ -42,7 +42,7 @@ preflight.json (`version` 1), one JSON object:
     checks, ok, failed         loss_falls, memory_flat, loader_wait_small, each {ok, detail}; whether all passed;
                                the names of those that did not
     fingerprint                the settings that decide speed: model (model.json), seq_len, micro_batch_size,
-                               global_batch_tokens, precision, compile, activation_checkpointing, parallelism
+                               global_batch_tokens, precision, tf32, compile, activation_checkpointing, parallelism
                                (as train.json gives them), world_size. A run whose settings differ makes the file
                                stale: `nanopt estimate` then does not use it and says which setting changed.
 """
@@ -63,15 +63,17 @@ from nanopt.rundir import RunDir
 FORMAT_VERSION = 1
 
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
-SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "compile",
+SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
                   "activation_checkpointing", "parallelism")
+# What a fingerprint written before a setting existed meant by leaving it out.
+_BEFORE_THE_KEY = {"tf32": True}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
     """The settings that decide the speed of a step, as JSON would give them back."""
     train = run.train
     settings = {"model": run.model.to_dict(), "seq_len": run.seq_len, "micro_batch_size": train.micro_batch_size,
-                "global_batch_tokens": train.global_batch_tokens, "precision": train.precision,
+                "global_batch_tokens": train.global_batch_tokens, "precision": train.precision, "tf32": train.tf32,
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
                 "parallelism": train.parallelism, "world_size": world_size}
     return json.loads(json.dumps(settings))
@@ -83,7 +85,7 @@ def changed_setting(recorded: Any, current: dict[str, Any]) -> str | None:
     if not isinstance(recorded, dict):
         return "its fingerprint is missing"
     for key in ("model", *SPEED_SETTINGS, "world_size"):
-        then, now = recorded.get(key), current[key]
+        then, now = recorded.get(key, _BEFORE_THE_KEY.get(key)), current[key]
         if then == now:
             continue
         if key == "model":

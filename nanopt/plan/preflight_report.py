@@ -136,7 +136,7 @@ def _throughput(run: RunConfig, rt: Any, tokens_per_s: float) -> dict[str, Any]:
     from nanopt.model.flops import flops_per_token, mfu, mfu_note
     from nanopt.runtime import device_peak_flops
 
-    peak, source = device_peak_flops(rt.device, rt.precision)
+    peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     devices = rt.world_size
     if peak is None and rt.device.type != "cuda":
         found = cpu_peak()

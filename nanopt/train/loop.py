@@ -27,6 +27,7 @@ from nanopt.train import phases
 from nanopt.train.events import TrainObserver
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
+from nanopt.train.oom import is_out_of_memory, out_of_memory_error
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -46,7 +47,7 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
           observer: TrainObserver | None = None) -> dict[str, Any]:
     """Train a run directory to its budget, resuming if asked; returns the end-of-run summary (on every rank)."""
     opts = opts or TrainOptions()
-    rt = init_runtime(run.train.precision)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     lock = RunLock(run.run_dir)
     try:
         _lock_on_rank0(rt, lock)
@@ -87,6 +88,8 @@ def _reporting_failures(run: RunConfig, rt: Any, work: Callable[[], Any], s: Ses
         quiesce(rt)
         raise
     except RuntimeError as exc:
+        if is_out_of_memory(exc):  # torch.OutOfMemoryError is a RuntimeError
+            raise out_of_memory_error(exc, rt.device, s.state.step + 1 if s else None, _latest(run)) from None
         if rt.distributed and _lost_peer(exc):
             raise _peer_error(run, rt, s, exc) from None
         raise
@@ -152,6 +155,7 @@ def _announce(s: Session) -> None:
         f"{s.run.run_dir}: {params:,} parameters, {s.total_steps} steps of {s.run.train.global_batch_tokens:,} "
         f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
         f"{s.accum} accumulation), {s.rt.device.type} {s.rt.precision}"
+        f"{' without TF32' if s.rt.device.type == 'cuda' and not s.rt.tf32 else ''}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
 
 

@@ -109,7 +109,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
-    peak, source = device_peak_flops(rt.device, rt.precision)
+    peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
     observer = observer if observer is not None and rt.is_main else Silent()
     sinks = build_sinks(run, observer.note) if rt.is_main and writes else None

@@ -67,7 +67,7 @@ def _in_process(run: RunConfig, opts: FindBatchOptions, world: int, isolation: s
     from nanopt.runtime import init_runtime, shutdown
     from nanopt.train.parallel import resolve_compile
 
-    rt = init_runtime(run.train.precision)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     try:
         _check_device(opts, rt.device.type == "cuda")
         trials = InProcessTrials(run, opts, rt)

@@ -16,6 +16,7 @@ from nanopt.config import RunConfig
 from nanopt.errors import NanoptError
 from nanopt.plan.find_batch.search import FindBatchOptions, agree, judge, memory_limit, trial_run, usable_bytes
 from nanopt.runtime import MemoryProbe, device_name
+from nanopt.train.oom import is_out_of_memory
 
 POLL_S = 0.02  # how often the parent samples a CPU trial's resident memory
 PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
@@ -33,7 +34,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     from nanopt.train.step import step
 
     compiled = resolve_compile(run.train.compile, rt.device)
-    peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
+    peak_flops, peak_source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     probe.reset()
     baseline = probe.current()
     session, status, detail, times = None, "ok", "", []
@@ -46,7 +47,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
                 torch.cuda.synchronize(rt.device)
             times.append(time.perf_counter() - started)
     except RuntimeError as exc:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
-        if not _is_oom(exc):
+        if not is_out_of_memory(exc):
             raise
         status, detail = "oom", str(exc).strip().splitlines()[0][:300]
     peak = probe.peak()
@@ -92,7 +93,7 @@ def _trial_process(run: RunConfig, steps: int, gpu_memory: int | None, conn: Any
 
     _exit_when_gone(requester)
     try:
-        rt = init_runtime(run.train.precision)
+        rt = init_runtime(run.train.precision, tf32=run.train.tf32)
         result = measure(run, rt, steps, MemoryProbe(rt.device, gpu_memory))
     except NanoptError as exc:
         result = {"status": "user_error", "kind": type(exc).__name__, "message": exc.message, "hint": exc.hint}
@@ -122,14 +123,7 @@ def _exit_when_gone(pid: int, every_s: float = 1.0) -> None:
 
 
 def _crash_reason(exc: BaseException, last_line: str) -> str:
-    return ("oom: " if _is_oom(exc) else "") + last_line[:300]
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    text = str(exc).lower()
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "cublas_status_alloc_failed" in text
+    return ("oom: " if is_out_of_memory(exc) else "") + last_line[:300]
 
 
 # ------------------------------------------------------------------------------------------ trial runners
@@ -268,7 +262,7 @@ class InProcessTrials:
         from nanopt.runtime import device_peak_flops
         from nanopt.train.parallel import resolve_compile
 
-        peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision)
+        peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision, self.rt.tf32)
         return {"device": self.rt.device.type, "device_name": device_name(self.rt.device),
                 "device_memory_bytes": self.probe.device_memory_bytes, "context_bytes": self.probe.context_bytes,
                 "precision": self.rt.precision, "compiled": resolve_compile(self.run.train.compile, self.rt.device),
