@@ -82,11 +82,11 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise DataError(f"{name_or_path}: directory has no tokenizer.json",
                             "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
     extra: dict[str, Any] = {}
-    if path.is_file():
+    if os.path.lexists(path):  # a file, or something in its place that read_tokenizer_file refuses in one line
         tokenizer = read_tokenizer_file(path)
         dataset_eos = _eos_of_dataset(path.parent, tokenizer)
         if dataset_eos is not None:
