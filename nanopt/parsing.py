@@ -189,57 +189,50 @@ def _size(n: int) -> str:
 
 
 def read_json(path: Path, *, error: type[NanoptError] = ConfigError, hint: str = CONFIG_HINT,
-              max_bytes: int = JSON_MAX_BYTES, finite: bool = False) -> Any:
+              max_bytes: int = JSON_MAX_BYTES, finite: bool = False, contents_hint: str | None = None) -> Any:
     """A JSON file, read without blocking and at most `max_bytes` (open_regular, read_capped), parsed by
     parse_json_text: every way it can be refused (missing, not a regular file, too large, not UTF-8, malformed,
-    too deep, a number past Python's int limit, NaN or an infinity with `finite`) is `error`, one line naming it."""
+    too deep, a number past Python's int limit, NaN or an infinity with `finite`) is `error`, one line naming it.
+    `hint` goes with a file that cannot be read; `contents_hint`, if given, with contents that cannot be parsed
+    (for a file nanopt wrote: how to make it again), else a hint for a person editing it (a trailing comma)."""
     data = read_capped(path, max_bytes, error, hint, "JSON file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise error(f"{path}: not UTF-8 text", "save the file as UTF-8 JSON") from None
-    return parse_json_text(text, str(path), error=error, finite=finite)
+        raise error(f"{path}: not UTF-8 text", contents_hint or "save the file as UTF-8 JSON") from None
+    return parse_json_text(text, str(path), error=error, finite=finite, hint=contents_hint)
 
 
-def parse_json_text(text: str, where: str, *, error: type[NanoptError] = ConfigError, finite: bool = False) -> Any:
-    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one `error`; with `finite`,
-    NaN, Infinity and numbers past a float (1e400) are refused too. Nesting deeper than JSON_MAX_DEPTH is refused
-    even where json.loads could read it: code that walks the value later (json.dumps, ==) recurses as deep."""
-    hooks = {"parse_constant": _refuse_constant(where, error), "parse_float": _finite_float(where, error)} \
-        if finite else {}
-    try:
-        value = json.loads(text, **hooks)
-    except json.JSONDecodeError as exc:
-        raise error(f"{where}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-                    "check for a trailing comma, a missing quote or a cut-off end") from None
-    except ValueError as exc:  # an integer of more than 4,300 digits
-        raise error(f"{where}: malformed JSON: {str(exc).split(';')[0]}", "check for a typo in a number") from None
-    except RecursionError:
-        raise _too_deep(where, error) from None
-    if _deeper_than(value, JSON_MAX_DEPTH):
-        raise _too_deep(where, error)
-    return value
+def parse_json_text(text: str, where: str, *, error: type[NanoptError] = ConfigError, finite: bool = False,
+                    hint: str | None = None) -> Any:
+    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one `error` (with `hint`, else
+    one for a person editing the text); with `finite`, NaN, Infinity and numbers past a float (1e400) are refused
+    too. Nesting deeper than JSON_MAX_DEPTH is refused even where json.loads could read it: code that walks the
+    value later (json.dumps, ==) recurses as deep."""
+    def refuse(problem: str, edit_hint: str) -> NanoptError:
+        return error(f"{where}: {problem}", hint or edit_hint)
 
+    def constant(name: str) -> Any:
+        raise refuse(f"{name} where a finite number belongs", "write a finite number")
 
-def _too_deep(where: str, error: type[NanoptError]) -> NanoptError:
-    return error(f"{where}: malformed JSON: nested more than {JSON_MAX_DEPTH} levels deep",
-                 "check for runaway brackets")
-
-
-def _refuse_constant(where: str, error: type[NanoptError]) -> Any:
-    def refuse(name: str) -> Any:
-        raise error(f"{where}: {name} where a finite number belongs", "nanopt writes only finite numbers here")
-    return refuse
-
-
-def _finite_float(where: str, error: type[NanoptError]) -> Any:
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise error(f"{where}: {show_value(text)} is past the largest number a float holds",
-                        "nanopt writes only finite numbers here")
+    def finite_float(number: str) -> float:
+        if not math.isfinite(value := float(number)):
+            raise refuse(f"{show_value(number)} is past the largest number a float holds", "write a finite number")
         return value
-    return parse
+
+    too_deep = f"malformed JSON: nested more than {JSON_MAX_DEPTH} levels deep"
+    try:
+        value = json.loads(text, **({"parse_constant": constant, "parse_float": finite_float} if finite else {}))
+    except json.JSONDecodeError as exc:
+        raise refuse(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                     "check for a trailing comma, a missing quote or a cut-off end") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise refuse(f"malformed JSON: {str(exc).split(';')[0]}", "check for a typo in a number") from None
+    except RecursionError:  # json.loads gives up at about 1,000 levels
+        raise refuse(too_deep, "check for runaway brackets") from None
+    if _deeper_than(value, JSON_MAX_DEPTH):
+        raise refuse(too_deep, "check for runaway brackets")
+    return value
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

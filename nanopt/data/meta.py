@@ -47,7 +47,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not os.path.lexists(meta_path):
         raise DataError(f"{path}: incomplete dataset (no meta.json; was `nanopt tokenize` interrupted?)",
                         retokenize_hint(path))
-    meta = read_json(meta_path, error=DataError, hint=retokenize_hint(path), finite=True)
+    meta = read_json(meta_path, error=DataError, hint=retokenize_hint(path), finite=True,
+                     contents_hint=retokenize_hint(path))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f"{meta_path}: not a nanopt dataset (format is not {FORMAT!r})", retokenize_hint(path))
     _check_meta(path, meta)
