@@ -126,8 +126,9 @@ def _describe(annotation: Any) -> str:
 
 
 # A JSON file nanopt writes (model.json, train.json, a dataset's or a checkpoint's meta.json, eval.json) is a few
-# kilobytes; this cap only keeps a stranger's 10 GB file from being read into memory whole. Its nesting: five
-# levels at most, and anything past JSON_MAX_DEPTH would only reach code (comparisons, json.dumps) that recurses.
+# kilobytes; this cap only keeps a stranger's 10 GB file from being read into memory whole. Its nesting: six
+# levels at most (a checkpoint's RNG state), and anything past JSON_MAX_DEPTH would only reach code (comparisons,
+# json.dumps) that recurses.
 JSON_MAX_BYTES = 64 << 20
 JSON_MAX_DEPTH = 64
 CONFIG_HINT = "copy one from runs/demo or a preset in runs/"
