@@ -34,8 +34,8 @@ FILE_MODE = 0o644  # less the umask: the kernel applies it at creation
 DIR_MODE = 0o755
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MODES = {"w": os.O_WRONLY, "a": os.O_WRONLY | os.O_APPEND, "a+": os.O_RDWR | os.O_APPEND}
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -48,8 +48,9 @@ def link_refused(path: Path, hint: str = LINK_HINT) -> WritePathError:
     return WritePathError(f"{path}: is a symbolic link, and nanopt never writes or deletes through one", hint)
 
 
-def _kind(st: os.stat_result) -> str:
-    return next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+def file_kind(mode: int) -> str:
+    """What a file of this st_mode is, for a message: "a named pipe (FIFO)", "a directory", ..."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def _check_file(path: Path, st: os.stat_result) -> None:
@@ -57,7 +58,7 @@ def _check_file(path: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise link_refused(path)
     if not stat.S_ISREG(st.st_mode):
-        raise WritePathError(f"{path}: is {_kind(st)}, where nanopt writes a file", "move it away")
+        raise WritePathError(f"{path}: is {file_kind(st.st_mode)}, where nanopt writes a file", "move it away")
     if st.st_nlink > 1:  # writing in place would change the file under its other names too
         raise WritePathError(f"{path}: has other names (hard links), which writing it would change too",
                              "replace it with a copy of itself (cp, not ln), or remove it")
@@ -69,8 +70,9 @@ def check_dir(path: Path) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise link_refused(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise WritePathError(f"{path}: is {_kind(st) if not stat.S_ISREG(st.st_mode) else 'a file'}, where nanopt "
-                             "keeps a directory", f"move or rename it: nanopt writes its {path.name}/ there")
+        kind = "a file" if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
+        raise WritePathError(f"{path}: is {kind}, where nanopt keeps a directory",
+                             f"move or rename it: nanopt writes its {path.name}/ there")
 
 
 def _lstat(path: Path) -> os.stat_result | None:

@@ -1,9 +1,13 @@
 """Typed values from JSON files and the command line, each mistake one line naming the file, the key or the option.
 
 The config dataclasses (nanopt.config) and the option classes of every command build on these: `from_dict` checks
-keys and types strictly, `read_json` / `parse_json_text` turn every way JSON can be refused into one ConfigError,
-`check_option` is the one range check of a numeric option, `parse_token_count` reads counts such as 2.5B
-(options and train.json alike), `save_json` writes atomically.
+keys and types strictly, `read_json` / `parse_json_text` turn every way JSON can be refused into one ConfigError
+(or the caller's error type), `check_option` is the one range check of a numeric option, `parse_token_count` reads
+counts such as 2.5B (options and train.json alike), `save_json` writes atomically.
+
+Files that may come from someone else are opened here and nowhere else: `open_regular` (never blocks on a named
+pipe, never opens a device) and `read_capped` (never reads more than a cap), under read_json and every reader of
+a dataset's files (nanopt.data) and of metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -12,16 +16,18 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import fields
 from decimal import Decimal, DecimalException
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, BinaryIO, Literal, Union, get_args, get_origin
 
 from nanopt.errors import ConfigError, NanoptError
-from nanopt.files import replace_file
+from nanopt.files import file_kind, replace_file
 
 INT64_MAX = 2**63 - 1
 
@@ -120,32 +126,121 @@ def _describe(annotation: Any) -> str:
             type(None): "null"}.get(annotation, str(annotation))
 
 
-def read_json(path: Path) -> Any:
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a JSON file", "copy the file from runs/demo or a preset in "
-                                                                       "runs/")
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found", "copy one from runs/demo or a preset in runs/")
+# A JSON file nanopt writes (model.json, train.json, a dataset's or a checkpoint's meta.json, eval.json) is a few
+# kilobytes; this cap only keeps a stranger's 10 GB file from being read into memory whole. Its nesting: six
+# levels at most (a checkpoint's RNG state), and anything past JSON_MAX_DEPTH would only reach code (comparisons,
+# json.dumps) that recurses.
+JSON_MAX_BYTES = 64 << 20
+JSON_MAX_DEPTH = 64
+CONFIG_HINT = "copy one from runs/demo or a preset in runs/"
+
+def open_regular(path: Path, error: type[NanoptError], hint: str, what: str = "file") -> BinaryIO:
+    """`path` opened for reading in binary, if it is a regular file: the one way nanopt opens a file that may come
+    from someone else (a dataset's meta.json, shards and tokenizer.json, a run's JSON files, metrics.jsonl).
+
+    Anything else is `error`, one line: a named pipe would block the read forever (a tar archive can carry one), a
+    device may act when opened, a directory is a mistake. The kind is looked up before the open, so nothing that is
+    not a regular file is ever opened, and checked again on what was opened (O_NONBLOCK: an open that raced a swap
+    to a pipe returns at once), so a file swapped in between is caught too. Links are followed: reading through
+    one changes nothing, a dataset may link its shards to another disk, and what is checked is what the link leads
+    to (O_NOFOLLOW belongs to writing, where a link could redirect the write)."""
     try:
-        return parse_json_text(path.read_text(encoding="utf-8"), str(path))
+        _refuse_irregular(path, os.stat(path).st_mode, error, hint, what)  # before the open: a device may act
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found", hint) from None
+    except OSError as exc:  # no permission, a loop of links, a name too long
+        raise error(f"{path}: cannot read it ({exc.strerror})", hint) from None
+    try:
+        _refuse_irregular(path, os.fstat(fd).st_mode, error, hint, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _refuse_irregular(path: Path, mode: int, error: type[NanoptError], hint: str, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: is {file_kind(mode)}, not a {what}", hint)
+
+
+def read_capped(path: Path, max_bytes: int, error: type[NanoptError], hint: str, what: str = "file") -> bytes:
+    """The whole of a regular file (see open_regular) of at most `max_bytes`; a larger one is `error`, refused from
+    its size before a byte is read (and, should it grow meanwhile or not report a size, after max_bytes + 1)."""
+    with open_regular(path, error, hint, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        except OSError as exc:  # EIO from a failing disk; EISDIR and EAGAIN cannot happen on a regular file
+            raise error(f"{path}: cannot read it ({exc.strerror})", hint) from None
+    if size > max_bytes or len(data) > max_bytes:
+        raise error(f"{path}: {max(size, len(data)):,} bytes, more than the {_size(max_bytes)} a {what} nanopt "
+                    "reads may hold", hint)
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
+def read_json(path: Path, *, error: type[NanoptError] = ConfigError, hint: str = CONFIG_HINT,
+              max_bytes: int = JSON_MAX_BYTES, finite: bool = False, contents_hint: str | None = None) -> Any:
+    """A JSON file, read without blocking and at most `max_bytes` (open_regular, read_capped), parsed by
+    parse_json_text: every way it can be refused (missing, not a regular file, too large, not UTF-8, malformed,
+    too deep, a number past Python's int limit, NaN or an infinity with `finite`) is `error`, one line naming it.
+    `hint` goes with a file that cannot be read; `contents_hint`, if given, with contents that cannot be parsed
+    (for a file nanopt wrote: how to make it again), else a hint for a person editing it (a trailing comma)."""
+    data = read_capped(path, max_bytes, error, hint, "JSON file")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text", "save the file as UTF-8 JSON") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror})", "check the file's permissions") from None
+        raise error(f"{path}: not UTF-8 text", contents_hint or "save the file as UTF-8 JSON") from None
+    return parse_json_text(text, str(path), error=error, finite=finite, hint=contents_hint)
 
 
-def parse_json_text(text: str, where: str) -> Any:
-    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one ConfigError."""
+def parse_json_text(text: str, where: str, *, error: type[NanoptError] = ConfigError, finite: bool = False,
+                    hint: str | None = None) -> Any:
+    """json.loads, with every way it can refuse text (not only JSONDecodeError) as one `error` (with `hint`, else
+    one for a person editing the text); with `finite`, NaN, Infinity and numbers past a float (1e400) are refused
+    too. Nesting deeper than JSON_MAX_DEPTH is refused even where json.loads could read it: code that walks the
+    value later (json.dumps, ==) recurses as deep."""
+    def refuse(problem: str, edit_hint: str) -> NanoptError:
+        return error(f"{where}: {problem}", hint or edit_hint)
+
+    def constant(name: str) -> Any:
+        raise refuse(f"{name} where a finite number belongs", "write a finite number")
+
+    def finite_float(number: str) -> float:
+        if not math.isfinite(value := float(number)):
+            raise refuse(f"{show_value(number)} is past the largest number a float holds", "write a finite number")
+        return value
+
+    too_deep = f"malformed JSON: nested more than {JSON_MAX_DEPTH} levels deep"
     try:
-        return json.loads(text)
+        value = json.loads(text, **({"parse_constant": constant, "parse_float": finite_float} if finite else {}))
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
-                          "check for a trailing comma, a missing quote or a cut-off end") from None
+        raise refuse(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+                     "check for a trailing comma, a missing quote or a cut-off end") from None
     except ValueError as exc:  # an integer of more than 4,300 digits
-        raise ConfigError(f"{where}: malformed JSON: {str(exc).split(';')[0]}",
-                          "check for a typo in a number") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: malformed JSON: nested too deeply to read", "check for runaway brackets") from None
+        raise refuse(f"malformed JSON: {str(exc).split(';')[0]}", "check for a typo in a number") from None
+    except RecursionError:  # json.loads gives up at about 1,000 levels
+        raise refuse(too_deep, "check for runaway brackets") from None
+    if _deeper_than(value, JSON_MAX_DEPTH):
+        raise refuse(too_deep, "check for runaway brackets")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels deep; a loop, not recursion, so any depth is safe."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        nested = [child for child in children if isinstance(child, (dict, list))]
+        if nested and depth >= limit:
+            return True
+        stack.extend((child, depth + 1) for child in nested)
+    return False
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -217,7 +217,7 @@ def test_a_fifo_where_nanopt_writes_is_refused_without_blocking(tmp_path: Path, 
         os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
         pytest.fail(f"writing {fifo.name} blocked on a FIFO")
     assert len(outcome) == 1 and isinstance(outcome[0], WritePathError), outcome
-    assert "is a FIFO, where nanopt writes a file" in outcome[0].message
+    assert "is a named pipe (FIFO), where nanopt writes a file" in outcome[0].message
 
 
 def test_a_replaced_file_is_a_new_exclusive_file_with_a_safe_mode(tmp_path: Path, umask_002):

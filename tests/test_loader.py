@@ -234,7 +234,7 @@ def test_truncated_missing_and_garbled_shards_are_refused(copy: Path):
     with pytest.raises(DataError, match="not a valid .npy shard"):
         TokenDataset.open(copy)
     shard.unlink()
-    with pytest.raises(DataError, match="shard file missing"):
+    with pytest.raises(DataError, match="shard file not found"):
         TokenDataset.open(copy)
 
 
@@ -269,5 +269,5 @@ def test_meta_that_is_not_json_and_a_missing_tokenizer(copy: Path):
     with pytest.raises(DataError, match="tokenizer.json is missing"):
         TokenDataset.open(copy)
     (copy / "meta.json").write_text("{not json")
-    with pytest.raises(DataError, match="not valid JSON"):
+    with pytest.raises(DataError, match="meta.json: malformed JSON"):
         TokenDataset.open(copy)

@@ -195,7 +195,7 @@ def train_dataset_meta_not_json(w: World) -> Case:
     data = w.copy(w.dataset, "data")
     run = tiny_run(w.root, data, "run")
     (data / "meta.json").write_text('{"format": "nanopt-tokens", ')
-    return Case(["train", run], ("meta.json: not valid JSON", "--force"), "fork")
+    return Case(["train", run], ("meta.json: malformed JSON", "--force"), "fork")
 
 
 def train_split_shorter_than_one_sequence(w: World) -> Case:

@@ -10,9 +10,11 @@
 A split is one token stream: its shards concatenated in order.
 
 What is checked, and what it costs (sha256 runs at roughly 0.5-1.5 GB/s on one core):
-- `open`, always: format version and keys; every shard's .npy header, dtype, length and file size against
-  meta.json (a stat and a 128-byte read per shard: microseconds); the sha256 of tokenizer.json (a few MB at most:
-  milliseconds). A truncated, padded, replaced or re-typed shard and any change to tokenizer.json fail here.
+- `open`, always: every field of meta.json nanopt reads (nanopt.data.meta: types, ranges, shard paths); every
+  shard's .npy header, dtype, length and file size against meta.json (a stat and a 128-byte read per shard:
+  microseconds); the sha256 of tokenizer.json (a few MB at most: milliseconds). A truncated, padded, replaced or
+  re-typed shard and any change to tokenizer.json fail here. Shards and tokenizer.json must be regular files
+  (links to one are followed): a named pipe, device or directory in their place is refused without blocking.
 - `open`, when the shards total at most VERIFY_AT_OPEN_BYTES (1 GiB: about 1-2 s): the sha256 of every shard,
   so a shard rewritten in place with the same size fails too. Larger datasets skip this at open; their token ids
   are still range-checked as the loader reads them (nanopt.data.loader), and `verify` hashes everything on
@@ -21,7 +23,6 @@ What is checked, and what it costs (sha256 runs at roughly 0.5-1.5 GB/s on one c
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nanopt.data.shards import FORMAT, FORMAT_VERSION, read_header, sha256_file, token_dtype
+from nanopt.data.meta import read_meta, retokenize_hint
+from nanopt.data.shards import ShardHeader, map_shard, read_header, sha256_file
 from nanopt.errors import DataError
 from nanopt.parsing import path_kind
 from nanopt.shown import shell_word
@@ -37,15 +39,10 @@ from nanopt.shown import shell_word
 if TYPE_CHECKING:
     from nanopt.config import RunConfig
 
-DTYPES = ("uint16", "uint32")
 VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at open: about 1-2 s
 
 # verify()'s progress: (bytes hashed so far, bytes to hash in all)
 VerifyProgress = Callable[[int, int], None]
-
-
-def retokenize_hint(path: Path) -> str:
-    return f"re-create it: `nanopt tokenize SOURCE --out {shell_word(path)} --force` (no SOURCE: the built-in corpus)"
 
 
 def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES) -> TokenDataset:
@@ -70,7 +67,8 @@ def _missing_data_hint(run: RunConfig) -> str:
 class TokenDataset:
     """A validated dataset directory; the shards of each split are memory-mapped on first use and kept open."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], tokenizer_sha256: str) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], tokenizer_sha256: str,
+                 headers: dict[Path, ShardHeader]) -> None:
         self.path = path
         self.meta = meta
         self.vocab_size: int = meta["vocab_size"]
@@ -78,6 +76,7 @@ class TokenDataset:
         self.dtype = np.dtype(meta["dtype"])
         self.tokenizer_path = path / "tokenizer.json"
         self.tokenizer_sha256 = tokenizer_sha256  # of the file as found at open (it matched meta.json)
+        self._headers = headers  # of every shard, checked against meta.json at open
         self._streams: dict[str, TokenStream] = {}
         self._tokenizer: Any = None
 
@@ -93,15 +92,13 @@ class TokenDataset:
                             "give the dataset directory made by `nanopt tokenize` that holds meta.json")
         if kind == "missing":
             raise DataError(f"{path}: dataset directory not found", make_it)
-        meta = _read_meta(path)
-        _check_meta(path, meta)
+        meta = read_meta(path)  # every field checked: nothing below reads an unchecked value
         tokenizer_sha256 = _check_tokenizer(path, meta)
-        for split, info in meta["splits"].items():
-            for shard in info["shards"]:
-                _check_shard(path, split, shard, np.dtype(meta["dtype"]))
-        dataset = cls(path, meta, tokenizer_sha256)
+        headers = {path / shard["file"]: _check_shard(path, shard, np.dtype(meta["dtype"]))
+                   for info in meta["splits"].values() for shard in info["shards"]}
+        dataset = cls(path, meta, tokenizer_sha256, headers)
         shards = dataset._shard_checksums()
-        if sum(file.stat().st_size for file, _ in shards) <= verify_up_to_bytes:
+        if sum(header.file_bytes for header in headers.values()) <= verify_up_to_bytes:
             _check_sha256(path, shards)
         return dataset
 
@@ -126,7 +123,7 @@ class TokenDataset:
         info = self._split(split)
         if not info["tokens"]:
             raise DataError(f"{self.path}: split '{split}' is empty", retokenize_hint(self.path))
-        return info["bytes"] / info["tokens"]
+        return info["bytes"] / info["tokens"]  # both checked at open: at most 2**63 - 1, bytes > 0 with tokens
 
     def max_token_id(self) -> int:
         return max((int(info.get("max_token_id", -1)) for info in self.meta["splits"].values()), default=-1)
@@ -141,7 +138,7 @@ class TokenDataset:
         """The split's shards as one token stream (memory maps, opened once)."""
         if split not in self._streams:
             files = [self.path / shard["file"] for shard in self._split(split)["shards"]]
-            self._streams[split] = TokenStream([np.load(f, mmap_mode="r") for f in files], files)
+            self._streams[split] = TokenStream([map_shard(f, self._headers[f]) for f in files], files)
         return self._streams[split]
 
     def tokenizer(self) -> Any:
@@ -198,74 +195,20 @@ class TokenStream:
         return batch
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise DataError(f"{path}: incomplete dataset (no meta.json; was `nanopt tokenize` interrupted?)",
-                        retokenize_hint(path))
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{meta_path}: not valid JSON ({exc})", retokenize_hint(path)) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f"{meta_path}: not a nanopt dataset (format is not {FORMAT!r})", retokenize_hint(path))
-    return meta
-
-
-def _check_meta(path: Path, meta: dict[str, Any]) -> None:
-    where = path / "meta.json"
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version < 1:
-        raise DataError(f"{where}: bad format_version {version!r}", retokenize_hint(path))
-    if version > FORMAT_VERSION:
-        raise DataError(f"{where}: format_version {version} is newer than this nanopt reads ({FORMAT_VERSION})",
-                        "upgrade nanopt, or re-tokenize with this version")
-    for key in ("vocab_size", "eos_id"):
-        if not isinstance(meta.get(key), int) or meta[key] < 0:
-            raise DataError(f"{where}: key '{key}' missing or not a non-negative integer", retokenize_hint(path))
-    if meta["eos_id"] >= meta["vocab_size"]:
-        raise DataError(f"{where}: eos_id {meta['eos_id']} is outside vocab_size {meta['vocab_size']}",
-                        retokenize_hint(path))
-    if meta.get("dtype") not in DTYPES:
-        raise DataError(f"{where}: key 'dtype' is {meta.get('dtype')!r}, expected one of {DTYPES}",
-                        retokenize_hint(path))
-    if np.dtype(meta["dtype"]).itemsize < token_dtype(meta["vocab_size"]).itemsize:
-        raise DataError(f"{where}: dtype {meta['dtype']} cannot hold a vocabulary of {meta['vocab_size']}",
-                        retokenize_hint(path))
-    if not isinstance(meta.get("splits"), dict) or "train" not in meta["splits"]:
-        raise DataError(f"{where}: key 'splits' missing or without a train split", retokenize_hint(path))
-    for split, info in meta["splits"].items():
-        _check_split_meta(path, split, info)
-
-
-def _check_split_meta(path: Path, split: str, info: Any) -> None:
-    where = f"{path / 'meta.json'}: split '{split}'"
-    try:
-        shard_tokens = [int(shard["tokens"]) for shard in info["shards"]]
-        declared = int(info["tokens"]), int(info["bytes"]), int(info["documents"])
-        files = [str(shard["file"]) for shard in info["shards"]]
-    except (KeyError, TypeError, ValueError):
-        raise DataError(f"{where}: malformed (needs documents, tokens, bytes and shards with file and tokens)",
-                        retokenize_hint(path)) from None
-    if sum(shard_tokens) != declared[0]:
-        raise DataError(f"{where}: shards hold {sum(shard_tokens)} tokens but the split says {declared[0]}",
-                        retokenize_hint(path))
-    if any(Path(f).is_absolute() or ".." in Path(f).parts for f in files):
-        raise DataError(f"{where}: shard paths must stay inside the dataset directory", retokenize_hint(path))
-
-
-def _check_shard(path: Path, split: str, shard: dict[str, Any], dtype: np.dtype) -> None:
+def _check_shard(path: Path, shard: dict[str, Any], dtype: np.dtype) -> ShardHeader:
     file = path / shard["file"]
-    found, length, offset = read_header(file)
-    if found != dtype:
-        raise DataError(f"{file}: tokens are {found.name} but meta.json says {dtype.name}", retokenize_hint(path))
-    if length != shard["tokens"]:
-        raise DataError(f"{file}: holds {length} tokens but meta.json says {shard['tokens']}",
+    header = read_header(file)
+    if header.dtype != dtype:
+        raise DataError(f"{file}: tokens are {header.dtype.name} but meta.json says {dtype.name}",
                         retokenize_hint(path))
-    expected_size = offset + length * dtype.itemsize
-    if file.stat().st_size != expected_size:
-        raise DataError(f"{file}: {file.stat().st_size} bytes, expected {expected_size} (truncated or padded)",
+    if header.length != shard["tokens"]:
+        raise DataError(f"{file}: holds {header.length} tokens but meta.json says {shard['tokens']}",
                         retokenize_hint(path))
+    expected_size = header.offset + header.length * dtype.itemsize
+    if header.file_bytes != expected_size:
+        raise DataError(f"{file}: {header.file_bytes} bytes, expected {expected_size} (truncated or padded)",
+                        retokenize_hint(path))
+    return header
 
 
 def _recorded_tokenizer_sha256(meta: dict[str, Any]) -> str | None:
@@ -276,9 +219,9 @@ def _recorded_tokenizer_sha256(meta: dict[str, Any]) -> str | None:
 def _check_tokenizer(path: Path, meta: dict[str, Any]) -> str:
     """The sha256 of tokenizer.json, which must be the one meta.json records (the file is small: milliseconds)."""
     file = path / "tokenizer.json"
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise DataError(f"{path}: tokenizer.json is missing", retokenize_hint(path))
-    found, expected = sha256_file(file), _recorded_tokenizer_sha256(meta)
+    found, expected = sha256_file(file, what="tokenizer file"), _recorded_tokenizer_sha256(meta)
     if expected is not None and found != expected:
         raise _checksum_mismatch(path, file)
     return found
@@ -287,7 +230,7 @@ def _check_tokenizer(path: Path, meta: dict[str, Any]) -> str:
 def _check_sha256(path: Path, files: list[tuple[Path, str | None]], progress: VerifyProgress | None = None) -> None:
     """DataError naming the first file whose sha256 is not the one meta.json records (None: nothing recorded)."""
     files = [(file, expected) for file, expected in files if expected is not None]
-    total, done = sum(file.stat().st_size for file, _ in files), 0
+    total, done = sum(_size(file) for file, _ in files), 0
 
     def advance(chunk_bytes: int) -> None:
         nonlocal done
@@ -298,6 +241,14 @@ def _check_sha256(path: Path, files: list[tuple[Path, str | None]], progress: Ve
     for file, expected in files:
         if sha256_file(file, on_chunk=advance) != expected:
             raise _checksum_mismatch(path, file)
+
+
+def _size(file: Path) -> int:
+    """For progress only: a stat never blocks, whatever the file; one that is gone fails when it is read."""
+    try:
+        return os.stat(file).st_size
+    except OSError:
+        return 0
 
 
 def _checksum_mismatch(path: Path, file: Path) -> DataError:

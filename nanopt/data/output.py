@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,9 @@ from typing import Any
 import nanopt
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, dtype_name, sha256_file, token_dtype
 from nanopt.data.tokenizer import NamedTokenizer
-from nanopt.errors import DataError
+from nanopt.errors import DataError, NanoptError
 from nanopt.files import link_refused, new_dir, remove_tree
-from nanopt.parsing import save_json
+from nanopt.parsing import read_json, save_json
 
 STAGING_MARK = ".partial-"
 
@@ -38,8 +37,8 @@ def check_output(out: Path, force: bool) -> None:
 
 def is_dataset(path: Path) -> bool:
     try:
-        return json.loads((path / "meta.json").read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        return read_json(path / "meta.json", error=DataError).get("format") == FORMAT
+    except (NanoptError, AttributeError):  # none, unreadable (a named pipe: never read), or not an object
         return False
 
 

@@ -9,6 +9,7 @@ at `shard_tokens` tokens regardless of document boundaries; documents end with t
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 
 from nanopt.errors import DataError
 from nanopt.files import make_dir, open_file
+from nanopt.parsing import open_regular
 
 FORMAT = "nanopt-tokens"  # meta.json "format": what kind of directory this is
 FORMAT_VERSION = 1  # meta.json "format_version": bumped when readers of older versions would misread it
@@ -104,10 +106,15 @@ class SplitWriter:
         self.shards.append(ShardInfo(self._name, self._filled, sha256_file(self.root / self._name)))
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
-    """The file's sha256 as `sha256sum` prints it; `on_chunk` hears the size of each chunk read (for progress)."""
+DAMAGED_HINT = "the dataset is damaged or was replaced; re-run `nanopt tokenize ... --force`"
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22, on_chunk: Callable[[int], None] | None = None,
+                what: str = "file") -> str:
+    """The file's sha256 as `sha256sum` prints it; `on_chunk` hears the size of each chunk read (for progress).
+    Anything but a regular file is a DataError, never a read that blocks (nanopt.parsing.open_regular)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, DataError, DAMAGED_HINT, what) as f:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
             if on_chunk is not None:
@@ -115,22 +122,38 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22, on_chunk: Callable[[int]
     return digest.hexdigest()
 
 
-def read_header(path: Path) -> tuple[np.dtype, int, int]:
-    """(dtype, length, data offset) from a shard's .npy header without reading its data; DataError if it is not
-    a 1-D .npy."""
-    try:
-        with open(path, "rb") as f:
+@dataclass(frozen=True)
+class ShardHeader:
+    """What a shard's .npy header says, and the size of the file it heads."""
+
+    dtype: np.dtype
+    length: int
+    offset: int  # where the tokens start
+    file_bytes: int
+
+
+def read_header(path: Path) -> ShardHeader:
+    """A shard's .npy header, without reading its data; DataError if the shard is not a regular file holding a
+    1-D .npy (nothing else is opened: a named pipe would block)."""
+    with open_regular(path, DataError, DAMAGED_HINT, "shard file") as f:
+        try:
             version = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read(f)
-            offset = f.tell()
-    except FileNotFoundError:
-        raise DataError(f"{path}: shard file missing", "the dataset is incomplete; re-run `nanopt tokenize ... "
-                        "--force`") from None
-    except (ValueError, OSError, SyntaxError) as exc:
-        raise DataError(f"{path}: not a valid .npy shard ({exc})",
-                        "the file is damaged or was replaced; re-run `nanopt tokenize ... --force`") from None
+        except (ValueError, OSError, SyntaxError) as exc:
+            raise DataError(f"{path}: not a valid .npy shard ({exc})", DAMAGED_HINT) from None
+        header = ShardHeader(np.dtype(dtype), int(shape[0]) if len(shape) == 1 else -1, f.tell(),
+                             os.fstat(f.fileno()).st_size)
     if len(shape) != 1 or fortran:
         raise DataError(f"{path}: expected a 1-D token array, found shape {shape}",
                         "re-run `nanopt tokenize ... --force`")
-    return np.dtype(dtype), int(shape[0]), offset
+    return header
+
+
+def map_shard(path: Path, header: ShardHeader) -> np.ndarray:
+    """The shard's tokens as a read-only memory map of the regular file its (checked) header describes."""
+    with open_regular(path, DataError, DAMAGED_HINT, "shard file") as f:
+        try:
+            return np.memmap(f, dtype=header.dtype, mode="r", offset=header.offset, shape=(header.length,))
+        except (ValueError, OSError) as exc:  # shorter than its header says: changed since the dataset was opened
+            raise DataError(f"{path}: cannot map its tokens ({exc})", DAMAGED_HINT) from None

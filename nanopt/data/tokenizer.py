@@ -9,7 +9,6 @@ first of DOCUMENT_END_TOKENS the tokenizer has, never a chat end-of-turn token.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,12 +18,15 @@ from typing import Any
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
-from nanopt.parsing import check_option
+from nanopt.parsing import check_option, read_capped, read_json
 from nanopt.shown import shell_word
 
 ENDOFTEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge
 MAX_VOCAB_SIZE = 2**32
+# The largest published tokenizer.json files are tens of MB (vocabularies of 256k tokens); this cap only keeps a
+# stranger's file from being read into memory whole.
+TOKENIZER_MAX_BYTES = 256 << 20
 
 # The tokens that end a document in well-known tokenizer families, in the order they are preferred when a tokenizer
 # has several and its tokenizer_config.json names none of them. Only special tokens count: a vocabulary may hold
@@ -82,11 +84,11 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise DataError(f"{name_or_path}: directory has no tokenizer.json",
                             "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
     extra: dict[str, Any] = {}
-    if path.is_file():
+    if os.path.lexists(path):  # a file, or something in its place that read_tokenizer_file refuses in one line
         tokenizer = read_tokenizer_file(path)
         dataset_eos = _eos_of_dataset(path.parent, tokenizer)
         if dataset_eos is not None:
@@ -107,11 +109,15 @@ def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedToke
 def read_tokenizer_file(path: Path, hint: str = "pass a file saved by Hugging Face tokenizers (tokenizer.json)",
                         error: type[NanoptError] = DataError) -> Any:
     """A parsed tokenizer.json, or `error` in one line naming the file: the one place that reads one, for a
-    tokenize --tokenizer, a dataset's, a checkpoint's and an export's alike."""
+    tokenize --tokenizer, a dataset's, a checkpoint's and an export's alike. Read by nanopt (a regular file of at
+    most TOKENIZER_MAX_BYTES: a named pipe would block the library's own read) and parsed from memory."""
     from tokenizers import Tokenizer
 
+    data = read_capped(path, TOKENIZER_MAX_BYTES, error, hint, "tokenizer file")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a Hugging Face tokenizers file (not UTF-8 text)", hint) from None
     except Exception as exc:  # the library raises a bare Exception for any malformed file
         raise error(f"{path}: not a Hugging Face tokenizers file ({exc})", hint) from None
 
@@ -137,8 +143,8 @@ def _eos_of_dataset(directory: Path, tokenizer: Any) -> str | None:
     """The end-of-text token a nanopt dataset's meta.json records, when `directory` is one: a dataset made with its
     tokenizer then separates documents with the same token, whatever the detection below would pick."""
     try:
-        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = read_json(directory / "meta.json", error=DataError)
+    except NanoptError:  # none, or not one nanopt wrote: the directory is not a dataset
         return None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("eos_token"), str):
         return None
@@ -152,8 +158,8 @@ def _eos_of_dataset(directory: Path, tokenizer: Any) -> str | None:
 def _eos_from_tokenizer_config(path: Path) -> str | None:
     """The eos_token of a transformers tokenizer_config.json beside the tokenizer, if there is one."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+        value = read_json(path, error=DataError).get("eos_token")
+    except (NanoptError, AttributeError):  # none, unreadable, or not an object: no suggestion
         return None
     if isinstance(value, dict):
         value = value.get("content")

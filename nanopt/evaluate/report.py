@@ -33,7 +33,7 @@ from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_
 from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
-from nanopt.parsing import INT64_MAX, check_option, save_json
+from nanopt.parsing import INT64_MAX, check_option, read_json, save_json
 from nanopt.rundir import EVAL_FILE, RunDir
 from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown, with_tf32
 from nanopt.train.checkpoint import Checkpoint
@@ -213,8 +213,8 @@ def eval_settings(trained: TrainedModel, rt: Runtime, opts: EvalOptions, tokens:
 def previous_result(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint's eval.json if it was made with exactly these settings."""
     try:
-        previous = json.loads((ckpt.path / EVAL_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        previous = read_json(ckpt.path / EVAL_FILE, error=CheckpointError)
+    except CheckpointError:  # none yet, or unreadable (never a named pipe's blocking read): evaluate again
         return None
     return previous if isinstance(previous, dict) and previous.get("settings") == settings else None
 

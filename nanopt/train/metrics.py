@@ -3,14 +3,15 @@
 metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
 `{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes, and
 `{"kind": "phases", ...}` for the time each session spent per phase (nanopt.train.phases). Every record carries
-`time`, the wall clock (Unix seconds) when it was written.
+`time`, the wall clock (Unix seconds) when it was written. Read back through nanopt.train.records, which skips
+any line that is not a record of the types written here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanopt.files import open_file, replace_file, replacing
 from nanopt.rundir import RunDir
+from nanopt.train.records import metrics_lines, parse_record, read_records
 
 if TYPE_CHECKING:
     from nanopt.train.sinks import Sinks
@@ -37,11 +39,10 @@ class MetricsLog:
         stay: that time was spent (and paid for), and the recovery made, whether or not its steps are run again.
         Writes nothing when there is nothing to drop, and leaves the file as it was if the rewrite fails (a full
         disk)."""
-        if not (self.enabled and self.path.is_file()):
+        if not (self.enabled and os.path.lexists(self.path)):
             return
-        lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-                 if line.strip()]
-        kept = [line for line in lines if _record_step(line) <= step or _kept_always(line)]
+        lines = [line for line in metrics_lines(self.path) if line is None or line.strip()]
+        kept = [line for line in lines if _kept(parse_record(line) if line is not None else None, step)]
         if self.sinks is not None:
             self.sinks.restart_after(step)
         if len(kept) == len(lines):
@@ -63,34 +64,18 @@ class MetricsLog:
             self.sinks.close()
 
 
-def _kept_always(line: str) -> bool:
-    """Records a resume or a rollback never drops: time spent (phases) and recoveries made, which happened whether
-    or not their steps are run again."""
-    try:
-        record = json.loads(line)
-        return record.get("kind") == "phases" or record.get("event") == "recovery"
-    except (json.JSONDecodeError, AttributeError):
+def _kept(record: dict[str, Any] | None, step: int) -> bool:
+    """Whether a resume to `step` keeps a record: one of a step up to it (a record without a step: kept), and
+    those a resume or a rollback never drops: time spent (phases) and recoveries made, which happened whether or
+    not their steps are run again. A line that is not a record (torn by a kill) is dropped."""
+    if record is None:
         return False
-
-
-def _record_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return sys.maxsize  # a torn last line from a kill: drop it
+    return record.get("step", 0) <= step or record.get("kind") == "phases" or record.get("event") == "recovery"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunDir(run_dir).metrics
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # a torn tail is skipped
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    """The records of runs/NAME/metrics.jsonl that nanopt can use (nanopt.train.records), in the order written."""
+    return read_records(RunDir(run_dir).metrics)
 
 
 class SpikeMonitor:
@@ -127,8 +112,8 @@ Curve = tuple[list[int], list[float]]  # tokens, loss
 
 def loss_curves(records: list[dict[str, Any]]) -> tuple[Curve, Curve]:
     """Train loss and validation loss against tokens, from the train and eval records in the order written."""
-    train = [r for r in records if r.get("kind") == "train"]
-    val = [r for r in records if r.get("kind") == "eval"]
+    train = [r for r in records if r.get("kind") == "train" and "tokens" in r and "loss" in r]
+    val = [r for r in records if r.get("kind") == "eval" and "tokens" in r and "val_loss" in r]
     return ([r["tokens"] for r in train], [r["loss"] for r in train]), ([r["tokens"] for r in val],
                                                                           [r["val_loss"] for r in val])
 
@@ -136,7 +121,7 @@ def loss_curves(records: list[dict[str, Any]]) -> tuple[Curve, Curve]:
 def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
     """The tokens at which each charted event happened (a `recovery` at the step where it was decided), from the
     tokens per step of the train records (the global batch never changes within a run)."""
-    train = [r for r in records if r.get("kind") == "train" and r.get("step")]
+    train = [r for r in records if r.get("kind") == "train" and r.get("step") and "tokens" in r]
     if not train:
         return {}
     tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
