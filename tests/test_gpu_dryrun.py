@@ -99,12 +99,16 @@ def sleepy(ctx):  # a step that hangs, with a process of its own that must die w
 def quick(ctx):
     records.append_record(ctx.out, records.plain_record(ctx, "memory:gpt2-small", "quick", "ok"))
 
-steps.WORKERS.update(data=sleepy, memory=quick)
-out = Path(sys.argv[1])
-if sys.argv[4] == "main":  # the whole call, ended by SIGTERM as `timeout 590` ends it
+def broken(ctx):
+    raise RuntimeError("no CUDA here")
+
+steps.WORKERS.update(data=sleepy, memory=quick, preflight=broken)
+out, mode = Path(sys.argv[1]), sys.argv[4]
+if mode == "main":  # the whole call, ended by SIGTERM as `timeout 590` ends it
     sys.exit(session.main(["--out", str(out), "--smoke", "--only", "data", "--isolation", "fork"]))
 ctx = records.Context(out=out, work=out / "work", smoke=False, commit="test")
-outcome, problems = session.run_session(ctx, [step_named("data"), step_named("memory")], 60, {"data": 1.5}, "fork",
+names = ["preflight", "memory"] if mode == "fatal" else ["data", "memory"]
+outcome, problems = session.run_session(ctx, [step_named(n) for n in names], 60, {"data": 1.5}, "fork",
                                         session.Tail(out / "results.jsonl"))
 print("OUTCOME " + json.dumps(outcome))
 """
@@ -140,6 +144,16 @@ def test_a_step_over_its_budget_is_killed_with_what_it_started_recorded_and_the_
         ("memory:gpt2-small", "ok"), ("step:memory", "ok")]
     assert lines[0]["records_before"] == 0 and lines[1]["budget_s"] == 1.5
     assert "R tokenize:stdlib [timed out after 2 s]" in done.stdout and "R memory:gpt2-small [ok]" in done.stdout
+
+
+def test_a_failed_preflight_stops_the_call(tmp_path: Path):
+    argv, out = _harness(tmp_path, "fatal")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    outcome = json.loads(done.stdout.split("OUTCOME ", 1)[1])
+    assert outcome == {"preflight": "failed (exit 1)", "memory": "skipped: preflight failed"}
+    assert "RuntimeError: no CUDA here" in done.stdout  # the reason, in stdout's tail too
+    statuses = [(r["workload"], r["status"]) for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())]
+    assert ("step:memory", "skipped: preflight failed") in statuses
 
 
 def test_the_calls_timeout_kills_the_step_and_still_prints_records_and_the_summary(tmp_path: Path):

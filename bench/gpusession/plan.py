@@ -31,7 +31,8 @@ class Step:
     work_s: float  # what it measures and its fixed costs (model builds, process starts), compiling aside
     min_s: float  # not started with less than this left
     needs_data: bool = False
-    fatal: bool = False  # the session stops when this step fails: what follows would fail the same way
+    # The session stops when this step fails (not when it runs out of time): what follows would fail the same way.
+    fatal: bool = False
     countable: bool = True  # False: it compiles in processes the session cannot see into (pytest's)
 
     @property
@@ -42,7 +43,7 @@ class Step:
 STEPS = (
     # Versions, CUDA, one big matmul, one compiled bf16 step of a tiny model, which SDPA kernel runs: seconds,
     # and a broken interpreter, path or torch shows here instead of after minutes of compiling.
-    Step("preflight", ("preflight",), ("tiny",), 15, 10, fatal=True),
+    Step("preflight", ("preflight",), ("tiny",), 30, 10, fatal=True),
     Step("data", ("tokenize:stdlib",), (), 25, 10),
     # nanopt and nanogpt-compiled, each compiled once (the accumulations and the second round reuse the graph).
     Step("throughput-gpt2", ("gpt2-small",), ("cold", "cold"), 25, 60),
@@ -53,7 +54,7 @@ STEPS = (
     Step("bf16-vs-fp32", ("bf16-vs-fp32:gpt2-small",), ("cached",), 60, 30, needs_data=True),
     Step("profile", ("profile:gpt2-small",), ("cached",), 15, 20, needs_data=True),
     # The tests' own processes compile (tiny models); their time is what is left, and the step is last on purpose.
-    Step("gpu-tests", ("gpu-tests",), ("tiny",), 30, 20, countable=False),
+    Step("gpu-tests", ("gpu-tests",), ("tiny",), 15, 20, countable=False),
     # The next window's (bench/RESULTS.md, "Queue"): a 16-layer model compiled twice; three training processes.
     Step("throughput-llama", ("llama-1b",), ("cold", "cold"), 60, 90),
     Step("resume", ("resume:gpt2-small",), ("cold", "cached", "cached"), 45, 60, needs_data=True),

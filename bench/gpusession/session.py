@@ -199,7 +199,8 @@ def run_session(ctx: Context, steps: list[Step], total_s: float, overrides: dict
         left = deadline - time.perf_counter()
         after = sum(planned_s(s, ctx.smoke, overrides) for s in steps[i + 1:])
         budget = step_budget(step, left, after, ctx.smoke, overrides)
-        failed_first = next((s.name for s in steps[:i] if s.fatal and outcome.get(s.name) != "ok"), None)
+        failed_first = next((s.name for s in steps[:i] if s.fatal and outcome.get(s.name, "").startswith("failed")),
+                            None)
         if failed_first:
             outcome[step.name] = f"skipped: {failed_first} failed"
         elif step.needs_data and outcome.get("data", "ok") != "ok":
@@ -312,6 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(out, header, earlier), flush=True)
     if interrupted:
         return 124
-    if any(outcome.get(s.name) != "ok" for s in steps if s.fatal):
+    if any(outcome.get(s.name, "").startswith("failed") for s in steps if s.fatal):
         return 3
     return 0 if all(status == "ok" for status in outcome.values()) and not graph_problems else 1
