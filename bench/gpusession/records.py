@@ -167,8 +167,11 @@ def _short(value: Any) -> str:
 
 
 def compact(record: dict[str, Any]) -> str:
-    """One line: the workload, its status, and every key that is set except the quiet ones."""
-    fields = [f"{key}={_short(value)}" for key, value in record.items() if value is not None and key not in QUIET_KEYS]
+    """One line: the workload, its status, and every key that is set except the quiet ones; numbers before the
+    dicts and lists (a long one is what the line's end cuts)."""
+    shown = [(key, value) for key, value in record.items() if value is not None and key not in QUIET_KEYS]
+    shown.sort(key=lambda item: isinstance(item[1], dict | list))
+    fields = [f"{key}={_short(value)}" for key, value in shown]
     line = f"R {record.get('workload')} [{record.get('status')}] " + " ".join(fields)
     return line if len(line) <= MAX_LINE else line[:MAX_LINE - 3] + "..."
 

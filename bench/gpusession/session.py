@@ -136,7 +136,8 @@ def _log_tail(ctx: Context, offset: int, chars: int = 1500) -> str:
 def run_step(ctx: Context, step: Step, budget: float, how: str, tail: Tail) -> tuple[str, str | None]:
     """The step in its own process group, killed with everything it started when its budget runs out. Returns its
     status and what is wrong with its graph count (None: nothing)."""
-    log(ctx.out, f"\n=== {step.name} (budget {budget:.0f} s, planned {step.budget_s:.0f} s) ===")
+    plan = "a smoke run's guard" if ctx.smoke else f"planned {step.budget_s:.0f} s"
+    log(ctx.out, f"\n=== {step.name} (budget {budget:.0f} s, {plan}) ===")
     offset = (ctx.out / LOG).stat().st_size
     start = time.perf_counter()
     pid = _start(ctx, step, how)
