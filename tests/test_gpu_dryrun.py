@@ -206,6 +206,26 @@ def test_the_parent_and_the_test_launcher_import_everything_without_touching_cud
     assert done.returncode == 0 and "no CUDA call" in done.stdout, done.stderr[-3000:]
 
 
+def test_records_never_initialize_cuda_and_no_nanopt_is_forked_after_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path):
+    """bf16-vs-fp32 records its first side before it forks the second: a record that initialized CUDA there would
+    leave the second side without a GPU (a forked child cannot use CUDA its parent initialized)."""
+    from gpusession import isolation
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a record initialized CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", refuse)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", refuse)
+    ctx = records.Context(out=tmp_path, work=tmp_path, smoke=False, commit="test", gpu="NVIDIA H100 80GB HBM3")
+    assert records.base_record(ctx, "gpt2-small", "test")["gpu"] == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="after initializing CUDA"):
+        isolation.start_nanopt(["--version"], tmp_path / "output.txt")
+    assert not (tmp_path / "output.txt").exists()  # nothing was forked
+
+
 # --------------------------------------------------------------------------------------- the compiled graph
 
 
@@ -229,10 +249,9 @@ def test_the_training_graph_is_whole_under_bf16_with_cudnn_attention_and_eval_ad
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
-    for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = compiled(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(ids[:, :-1], ids[:, 1:])
+    loss.backward()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(ids[:, :-1], ids[:, 1:])  # an evaluation: the grad-mode guard fails once

@@ -9,6 +9,7 @@
     find_batch.py  `nanopt find-batch` eager, one compiled trial, against `nanopt estimate`
     training.py    bf16 against fp32, resume after a kill, profile
     gputests.py    the GPU-marked tests, cheapest files first
+    steps.py       each step's name to the function its process runs
     session.py     the parent: schedules, kills, tails results.jsonl onto stdout, prints the summary
 
 Nothing here imports torch at import time: the parent imports it once (preload) before forking the steps.

@@ -152,6 +152,9 @@ def start_nanopt(args: list[str], output: Path, log_recompiles: bool = False, ki
     step, with no race against a fast or a descheduled machine). Returns its pid. The calling process must not
     have touched CUDA yet (a forked child could not use it)."""
     print(f"$ {shlex.join(['nanopt', *args])}" + ("  (TORCH_LOGS=recompiles)" if log_recompiles else ""), flush=True)
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        raise RuntimeError("a step forked `nanopt` after initializing CUDA (the child could not use the GPU): touch "
+                           "the device only after a step's last fork (records.base_record does not)")
 
     def work() -> None:
         if kill_at_batch is not None:

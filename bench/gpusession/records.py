@@ -53,10 +53,12 @@ def now() -> str:
 
 def base_record(ctx: Context, workload: str, command: str) -> dict[str, Any]:
     """The keys every line of results.jsonl has, measurement keys null until a step fills them; in a step's
-    process (it reads the device and this process's TF32 setting)."""
+    process (it reads this process's TF32 setting). It never initializes CUDA: a step that forks `nanopt` processes
+    records between the forks, and a process forked after CUDA was initialized cannot use it; the device's name is
+    torch's where this process already uses the device, else nvidia-smi's (the parent's)."""
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_initialized() else ctx.gpu
     record = plain_record(ctx, workload, command, "ok")
     record.update(gpu=gpu, torch=torch.__version__, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
                   alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF"))

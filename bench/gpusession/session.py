@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:  # --isolation spawn: one step in this fresh interpreter
         from gpusession.steps import WORKERS
 
-        ctx = Context(out=args.out.resolve(), work=args.work, smoke=args.smoke, commit=args.commit or "unknown")
+        ctx = Context(out=args.out.resolve(), work=args.work, smoke=args.smoke, commit=args.commit or "unknown",
+                      gpu=None if args.smoke else gpu_name_from_smi())
         isolation.run_worker(args.worker, ctx.graphs_dir(args.worker), ctx.smoke, lambda: WORKERS[args.worker](ctx))
         return 0
     try:
