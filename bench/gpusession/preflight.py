@@ -86,10 +86,12 @@ def expandable_segments(device: Any) -> bool | None:
     if device.type != "cuda":
         return None
     probe = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    segments = torch.cuda.memory._snapshot().get("segments", [])
+    snapshot = torch.cuda.memory._snapshot()
     del probe
-    flags = [s["is_expandable"] for s in segments if "is_expandable" in s]
-    return any(flags) if flags else None
+    flags = [s["is_expandable"] for s in snapshot.get("segments", []) if "is_expandable" in s]
+    if flags:
+        return any(flags)
+    return (snapshot.get("allocator_settings") or {}).get("expandable_segments")
 
 
 def compiled_tiny_step(ctx: Context) -> dict[str, Any]:
