@@ -72,10 +72,21 @@ class Measured:
     peak_bytes: int  # nanopt's definition (nanopt.runtime.MemoryProbe): reserved + CUDA context; peak RSS on a CPU
     max_allocated_bytes: int | None  # torch.cuda.max_memory_allocated; None on a CPU
     max_reserved_bytes: int | None  # torch.cuda.max_memory_reserved; None on a CPU
+    warmup_s: float | None = None  # wall time of the warm-up steps (compilation included), where there were any
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.seconds_per_step
+
+
+@dataclasses.dataclass
+class Side:
+    """One side, built and ready to step: its optimizer step, and how to change its accumulation."""
+
+    name: str
+    run_step: Callable[[], object]
+    set_accum: Callable[[int], None]
+    tokens_per_micro: int
 
 
 def sync(device: torch.device) -> None:
@@ -116,49 +127,64 @@ def with_shape(run: RunConfig, micro_batch: int, compile_setting: bool | str | N
     return dataclasses.replace(run, train=dataclasses.replace(run.train, **changes))
 
 
-def _measure(run_step: Callable[[], object], set_accum: Callable[[int], None], accums: list[int], warmup: int,
-             steps: int | Callable[[int], int], tokens_per_micro: int, probe: MemoryProbe,
-             device: torch.device) -> list[Measured]:
-    """Time `run_step` at each accumulation; the first pays the warm-up (compilation), the others reuse it."""
+def measure(side: Side, accums: list[int], warmup: int, steps: int | Callable[[int], int], probe: MemoryProbe,
+            device: torch.device) -> list[Measured]:
+    """Time `side` at each accumulation. The warm-up (compilation) runs first and is timed apart; then the
+    allocator's cache is emptied and the peak reset, so the peak is a training step's, not what compiling and
+    Inductor's benchmarking of kernels held; one more untimed step grows the cache back before the timing."""
+    side.set_accum(accums[0])
+    warmup_s = None
+    if warmup:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            side.run_step()
+        sync(device)
+        warmup_s = time.perf_counter() - start
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    probe.reset()
+    if warmup:
+        side.run_step()
     timed = []
-    for i, accum in enumerate(accums):
-        set_accum(accum)
+    for accum in accums:
+        side.set_accum(accum)
         count = steps(accum) if callable(steps) else steps
-        timed.append((accum, time_steps(run_step, warmup if i == 0 else 0, count, device)))
+        timed.append((accum, time_steps(side.run_step, 0, count, device)))
     peak = probe.peak()
     allocated = reserved = None
     if device.type == "cuda":
         allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    return [Measured(accum, seconds, accum * tokens_per_micro, peak, allocated, reserved) for accum, seconds in timed]
+    return [Measured(accum, seconds, accum * side.tokens_per_micro, peak, allocated, reserved, warmup_s)
+            for accum, seconds in timed]
 
 
-def bench_nanopt(run: RunConfig, rt: Runtime, accums: list[int], warmup: int,
-                 steps: int | Callable[[int], int]) -> list[Measured]:
-    """nanopt's own optimizer step (nanopt.train.step.step) on random tokens, as `nanopt train` runs it."""
-    probe = reset_memory(rt.device)
+def build_nanopt(run: RunConfig, rt: Runtime) -> Side:
+    """nanopt's own optimizer step (nanopt.train.step.step) on random tokens, as `nanopt train` runs it; the model
+    built on the device (a 1B model initialized on the CPU first costs seconds per build)."""
     torch.manual_seed(0)
-    prepared = prepare(Transformer(run.model), rt, run.train)
+    with torch.device(rt.device):
+        model = Transformer(run.model)
+    prepared = prepare(model, rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     loader = RandomTokens(run.model.vocab_size, run.train.micro_batch_size, run.seq_len, rt.device)
     session = Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
                       accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
-                      flops_per_token=0, peak_flops=None, peak_source="", memory=probe,
+                      flops_per_token=0, peak_flops=None, peak_source="", memory=MemoryProbe(rt.device),
                       train_state=TrainState(loader), price_per_hour=None, price_source="")
 
     def set_accum(accum: int) -> None:
         session.accum = accum
 
-    return _measure(lambda: step(session), set_accum, accums, warmup, steps, run.train.micro_batch_size * run.seq_len,
-                    probe, rt.device)
+    return Side("nanopt", lambda: step(session), set_accum, run.train.micro_batch_size * run.seq_len)
 
 
-def bench_baseline(run: RunConfig, rt: Runtime, accums: list[int], warmup: int, steps: int | Callable[[int], int],
-                   compile_backend: str | None) -> list[Measured]:
+def build_baseline(run: RunConfig, rt: Runtime, compile_backend: str | None) -> Side:
     """bench/baseline.py: eager when `compile_backend` is None, else under torch.compile with that backend
     ("inductor" on a GPU; "eager" exercises the same path in a CPU smoke run without generating code)."""
-    probe = reset_memory(rt.device)
     torch.manual_seed(0)
-    model = BaselineGPT(run.model).to(rt.device)
+    with torch.device(rt.device):
+        model = BaselineGPT(run.model)
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     fused = rt.device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.train.learning_rate, betas=(0.9, 0.95),
@@ -179,20 +205,35 @@ def bench_baseline(run: RunConfig, rt: Runtime, accums: list[int], warmup: int, 
     def set_accum(accum: int) -> None:
         accumulation["n"] = accum
 
-    return _measure(one_step, set_accum, accums, warmup, steps, run.train.micro_batch_size * run.seq_len, probe,
-                    rt.device)
+    name = "nanogpt-eager" if compile_backend is None else "nanogpt-compiled"
+    return Side(name, one_step, set_accum, run.train.micro_batch_size * run.seq_len)
+
+
+def build_side(name: str, run: RunConfig, rt: Runtime, compile_backend: str = "inductor") -> Side:
+    """One side by its name: "nanopt" or one of BASELINES."""
+    if name == "nanopt":
+        return build_nanopt(run, rt)
+    return build_baseline(run, rt, None if name == "nanogpt-eager" else compile_backend)
+
+
+def bench_nanopt(run: RunConfig, rt: Runtime, accums: list[int], warmup: int,
+                 steps: int | Callable[[int], int]) -> list[Measured]:
+    probe = reset_memory(rt.device)
+    return measure(build_nanopt(run, rt), accums, warmup, steps, probe, rt.device)
 
 
 def bench_side(name: str, run: RunConfig, rt: Runtime, accums: list[int], warmup: int,
                steps: int | Callable[[int], int], compile_backend: str = "inductor") -> list[Measured]:
-    """One side by its name: "nanopt" or one of BASELINES."""
-    if name == "nanopt":
-        return bench_nanopt(run, rt, accums, warmup, steps)
-    backend = None if name == "nanogpt-eager" else compile_backend
-    return bench_baseline(run, rt, accums, warmup, steps, backend)
+    """One side by its name, built afresh and measured alone."""
+    probe = reset_memory(rt.device)
+    return measure(build_side(name, run, rt, compile_backend), accums, warmup, steps, probe, rt.device)
 
 
 def commit() -> str:
+    """bench/COMMIT (written before a tree is shipped to a machine without git), else git, else unknown."""
+    shipped = Path(__file__).resolve().parent / "COMMIT"
+    if shipped.is_file():
+        return shipped.read_text().strip()[:40] or "unknown"
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -1,0 +1,28 @@
+"""Each step's name to the function its process runs (the table of steps and budgets is plan.py's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpusession.find_batch import step_find_batch
+from gpusession.gputests import step_gpu_tests
+from gpusession.preflight import step_data, step_preflight
+from gpusession.records import Context
+from gpusession.throughput import step_memory, step_throughput
+from gpusession.training import step_bf16_vs_fp32, step_profile, step_resume
+
+WORKERS: dict[str, Callable[[Context], None]] = {
+    "preflight": step_preflight,
+    "data": step_data,
+    # GPT-2 small: both models fit twice over, so two alternating rounds; the 1B Llama does not: one round.
+    "throughput-gpt2": lambda ctx: step_throughput(ctx, "gpt2-small", wanted_micro=32, accum_cap=16, timed_micro=32,
+                                                   rounds=2),
+    "memory": step_memory,
+    "find-batch": step_find_batch,
+    "bf16-vs-fp32": step_bf16_vs_fp32,
+    "profile": step_profile,
+    "gpu-tests": step_gpu_tests,
+    "throughput-llama": lambda ctx: step_throughput(ctx, "llama-1b", wanted_micro=8, accum_cap=8, timed_micro=16,
+                                                    rounds=1),
+    "resume": step_resume,
+}
