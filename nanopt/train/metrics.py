@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -56,8 +57,7 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"kind": kind, **fields, "time": round(time.time(), 3)}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+        append_whole_line(self.path, json.dumps(record, allow_nan=True) + "\n")
         if self.sinks is not None:  # after metrics.jsonl has it: a sink never costs the source of truth a record
             self.sinks.write(record)
 
@@ -65,6 +65,24 @@ class MetricsLog:
         """Flush and close the sinks: at the end of the session."""
         if self.sinks is not None:
             self.sinks.close()
+
+
+def append_whole_line(path: Path, line: str) -> None:
+    """Append `line` whole or not at all: a full disk (or a file-size limit) may take part of a write, and a torn
+    line would stay in the source of truth; on any failure the file is cut back to its length before."""
+    data = line.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):  # a short write is retried: the rest either fits or raises (EFBIG, ENOSPC)
+                done += os.write(fd, data[done:])
+        except OSError as exc:
+            os.ftruncate(fd, start)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # os.write's error names no file
+    finally:
+        os.close(fd)
 
 
 def _kept_always(line: str) -> bool:
