@@ -120,7 +120,7 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, 
             sys.exit(STOPPED_EARLY)
         except ChildFailedError as exc:
             _print_rank_errors(Path(folder))
-            sys.exit(_failure_status(exc.failures))
+            sys.exit(_failure_status(exc.failures, collected(Path(folder))))
         except RendezvousError as exc:  # raised in this process, before any rank of the attempt started
             what = ("not every node joined in time" if isinstance(exc, RendezvousTimeoutError)
                     else f"{type(exc).__name__}: {exc}".rstrip(": "))
@@ -147,7 +147,9 @@ def _quiet_torchrun_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _failure_status(failures: dict[int, Any]) -> int:
+def _failure_status(failures: dict[int, Any], errors: list[RankError]) -> int:
+    if any(e.crashed for e in errors):  # its line, printed above, names the rank; the others only lost it
+        return 1
     # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
     codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
     if codes and codes <= VERDICTS:  # the ranks' own reports, printed above, say why
@@ -171,10 +173,22 @@ def _what_happened(rank: int, failure: Any) -> str:
     return f"rank {rank} (pid {failure.pid}) {how}"
 
 
+def _restart_cause(failures: dict[int, Any], errors: list[RankError]) -> str:
+    """What a restart line blames: a rank's crash as it reported it (torchrun may have stopped that rank with
+    SIGTERM while it was leaving, which is not what happened to it), else the failure that explains the others."""
+    crash = next((e for e in errors if e.crashed), None)
+    if crash is None:
+        return _what_happened(*_culprit(failures))
+    pid = f" (pid {failures[crash.rank].pid})" if crash.rank in failures else ""
+    return f"rank {crash.rank}{pid} {crash.line.split(' (the traceback')[0]}"
+
+
 def worth_a_restart(failures: dict[int, Any], errors: list[RankError]) -> bool:
     """Whether restarting the ranks may get past this failure: a rank was killed or crashed, or every rank that
     failed only lost contact (the cause is on another node). A rank's own verdict (a mistake to fix, a
     preemption, failed checks) would only come again, and cost a restart's start-up each time."""
+    if any(e.crashed for e in errors):
+        return True
     lost_contact = {e.rank for e in errors if e.lost_contact}
     causes = [f.exitcode for rank, f in failures.items() if f.exitcode != -signal.SIGTERM and rank not in lost_contact]
     return not causes or not set(causes) <= VERDICTS
@@ -207,7 +221,7 @@ def _restarts_reported(error_dir: Path) -> Iterator[None]:
         def _restart_workers(self, worker_group: Any) -> None:
             if self.failures:  # else the membership changed: a node joined, and every node starts again with it
                 attempt = worker_group.spec.max_restarts - self._remaining_restarts
-                what = _what_happened(*_culprit(self.failures))
+                what = _restart_cause(self.failures, collected(error_dir))
                 _say(f"restart {attempt} of {worker_group.spec.max_restarts} after {what}: every rank starts "
                      "again from the newest checkpoint")
             for path in error_dir.glob("*.json"):  # the failed attempt's reports: a later failure writes its own

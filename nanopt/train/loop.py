@@ -46,6 +46,7 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
     opts = opts or TrainOptions()
     rt = init_runtime(run.train.precision)
     lock = RunLock(run.run_dir)
+    crashed = False
     try:
         _lock_on_rank0(rt, lock)
         session = _reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
@@ -55,9 +56,16 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
             if rt.distributed:
                 _keep_until_exit.append(session)
             return summary
+    except Exception as exc:
+        crashed = not isinstance(exc, NanoptError)
+        raise
     finally:
         lock.release()
-        shutdown(rt)
+        # A crash (a bug) leaves the process group up: the other ranks notice this rank is gone only when the
+        # process exits, after the CLI has handed its error to nanopt's launcher (nanopt.cli.app.main), which can
+        # then name the crash instead of their lost contact.
+        if not crashed:
+            shutdown(rt)
 
 
 def _lock_on_rank0(rt: Any, lock: RunLock) -> None:
