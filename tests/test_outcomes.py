@@ -6,12 +6,20 @@ background save, an on-exit command that floods its log, and a rendezvous endpoi
 
 from __future__ import annotations
 
+import json
+import os
+import pty
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from clihelp import REPO
-from faulthelp import Launcher, tiny_run, tree_digest
+from faulthelp import HANG_GUARD_S, Launcher, tiny_run, tree_digest
 
 PLANTED_CRASH = REPO / "tests" / "planted_crash"  # a sitecustomize that makes one rank raise (test-only)
 
@@ -87,3 +95,120 @@ def test_a_crashed_rank_is_named_with_its_error_and_exit_1(tmp_path: Path, tiny_
     assert "killed by SIGTERM" not in job.stderr
     hook = (run / "on_exit.log").read_text()
     assert hook.count("crashed 1 rank 1 crashed with RuntimeError: planted crash in rank 1") == 1, hook
+
+
+# ---------------------------------------------------------------------- eval and export with a damaged `latest`
+
+
+def damage_weights(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit in the middle of the tensor data
+    weights.write_bytes(bytes(data))
+
+
+def test_eval_says_which_checkpoint_it_used_when_latest_is_damaged(tmp_path: Path, trained: Path,
+                                                                   launcher: Launcher):
+    run = copy_of(trained, tmp_path)
+    damage_weights(run / "checkpoints" / "step-000008")
+    result = launcher.run("eval", run, "--no-samples", "--json")
+    assert result.status == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["step"] == 4
+    [note] = out["notes"]
+    assert note.startswith("using step-000004, not the newest checkpoint: 'latest' names step-000008, which cannot "
+                           "be used") and "checksum mismatch" in note
+    assert f"note: {run}: {note}" in " ".join(result.stderr.split())
+    assert json.loads((run / "eval.json").read_text())["notes"] == [note]  # the record says so too
+
+
+def test_export_refuses_to_ship_an_older_checkpoint_in_place_of_a_damaged_latest(tmp_path: Path, trained: Path,
+                                                                                launcher: Launcher):
+    run = copy_of(trained, tmp_path)
+    damage_weights(run / "checkpoints" / "step-000008")
+    for args in ((), ("--checkpoint", "latest")):
+        refused = launcher.run("export", run, "--out", tmp_path / "hf", *args)
+        assert refused.status == 2, refused.stderr[-3000:]
+        [line] = [text for text in refused.stderr.splitlines() if text.strip()]
+        assert "'latest' names step-000008, which cannot be used" in line, line
+        assert "not exporting the older step-000004 in its place" in line
+        assert "Hint: to export step-000004, name it: --checkpoint step-000004" in line
+        assert not (tmp_path / "hf").exists()
+    named = launcher.run("export", run, "--out", tmp_path / "hf", "--checkpoint", "step-000004", "--json")
+    assert named.status == 0, named.stderr[-3000:]
+    assert json.loads(named.stdout)["step"] == 4
+
+
+# ----------------------------------------------------------------------------- eval while the run trains
+
+
+@pytest.mark.slow
+def test_eval_keeps_its_result_when_training_removes_the_checkpoint_it_scores(tmp_path: Path, tiny_dataset: Path,
+                                                                              launcher: Launcher):
+    """`nanopt eval RUN` scores step-000008 while `nanopt train RUN` goes on and its retention (keep_checkpoints 1)
+    deletes step-000008. The eval is held (SIGSTOP) once its progress bar shows, i.e. with the weights read, while
+    the training saves step-000012 and deletes step-000008; then it goes on. The result is kept in RUN/eval.json,
+    and a note says what happened (before: exit 2, nothing kept, and a hint to make the run directory writable)."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=12, checkpoint_interval=4, eval_interval=0,
+                   keep_checkpoints=1)
+    launcher.train(run, "--set", "max_steps=8")
+    # stderr on a terminal, so that the progress bar (shown once the loss is being measured) tells when to hold it
+    leader, follower = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    evaluation = subprocess.Popen([sys.executable, "-m", "nanopt", "eval", run, "--tokens", "all",
+                                   "--micro-batch-size", "1", "--no-samples", "--json"], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    shown = bytearray()
+    threading.Thread(target=_drain, args=(leader, shown), daemon=True).start()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while b"eval " not in shown and evaluation.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    held = psutil.Process(evaluation.pid)
+    held.suspend()
+    try:
+        assert evaluation.poll() is None, shown.decode(errors="replace")
+        launcher.train(run, "--allow-changed")  # steps 9-12: saves step-000012, deletes step-000008
+        assert not (run / "checkpoints" / "step-000008").exists()
+    finally:
+        held.resume()
+    out, _ = evaluation.communicate(timeout=HANG_GUARD_S)
+    stderr = shown.decode(errors="replace")
+    assert evaluation.returncode == 0, stderr[-3000:]
+    result = json.loads(out)
+    assert result["step"] == 8 and result["test_loss"] > 0
+    [note] = result["notes"]
+    assert note.startswith("step-000008 was removed while it was evaluated (a `nanopt train` of this run keeps only "
+                           "its newest 1 checkpoint(s)") and note.endswith(f"kept in {run / 'eval.json'} only")
+    assert json.loads((run / "eval.json").read_text())["test_loss"] == result["test_loss"]
+    assert "note:" in stderr and "writable" not in stderr
+
+
+def _drain(fd: int, into: bytearray) -> None:
+    """Read a terminal's output until its last writer closes it."""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the process on the other side has ended
+            return
+        if not chunk:
+            return
+        into.extend(chunk)
+
+
+# ------------------------------------------------------------------------------ a checkpoint of another run
+
+
+def test_eval_of_another_runs_checkpoint_is_refused_and_writes_nothing(tmp_path: Path, trained: Path,
+                                                                      launcher: Launcher):
+    mine, other = copy_of(trained, tmp_path / "mine"), copy_of(trained, tmp_path / "other")
+    before = tree_digest(tmp_path)
+    theirs = other / "checkpoints" / "step-000008"
+    refused = launcher.run("eval", mine, "--checkpoint", theirs, "--no-samples")
+    assert refused.status == 2, refused.stderr[-3000:]
+    [line] = [text for text in refused.stderr.splitlines() if text.strip()]
+    assert f"{theirs} is a checkpoint of the run {other}, not of {mine}" in line
+    assert f"Hint: evaluate it as its own run's: nanopt eval {other} --checkpoint step-000008" in line
+    assert tree_digest(tmp_path) == before  # no eval.json in either run
+    done = launcher.run("eval", other, "--checkpoint", "step-000008", "--no-samples")  # as the hint says
+    assert done.status == 0 and (theirs / "eval.json").is_file() and not (mine / "eval.json").exists()
