@@ -212,3 +212,25 @@ def test_eval_of_another_runs_checkpoint_is_refused_and_writes_nothing(tmp_path:
     assert tree_digest(tmp_path) == before  # no eval.json in either run
     done = launcher.run("eval", other, "--checkpoint", "step-000008", "--no-samples")  # as the hint says
     assert done.status == 0 and (theirs / "eval.json").is_file() and not (mine / "eval.json").exists()
+
+
+# ------------------------------------------------------------------------- strangers among the step directories
+
+
+def test_a_foreign_or_misnamed_step_directory_takes_no_retention_slot_and_is_never_deleted(
+        tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
+    """keep_checkpoints 2, with a copy of step-000002 renamed step-000099 (newer by name than any real one) and a
+    foreign step-000001 (its meta.json is not nanopt's): retention keeps the two newest real checkpoints and leaves
+    both strangers as they are (before: step-000099 held a slot for good, and step-000001 was deleted)."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=10, checkpoint_interval=2, keep_checkpoints=2,
+                   eval_interval=0)
+    launcher.train(run, "--set", "max_steps=4")
+    root = run / "checkpoints"
+    shutil.copytree(root / "step-000002", root / "step-000099")
+    (root / "step-000001").mkdir()
+    (root / "step-000001" / "meta.json").write_text(json.dumps({"made_by": "someone else"}))
+    strangers = {name: tree_digest(root / name) for name in ("step-000001", "step-000099")}
+    launcher.train(run, "--allow-changed")
+    real = sorted(p.name for p in root.glob("step-*") if p.name not in strangers)
+    assert real == ["step-000008", "step-000010"]
+    assert {name: tree_digest(root / name) for name in strangers} == strangers
