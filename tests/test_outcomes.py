@@ -234,3 +234,54 @@ def test_a_foreign_or_misnamed_step_directory_takes_no_retention_slot_and_is_nev
     real = sorted(p.name for p in root.glob("step-*") if p.name not in strangers)
     assert real == ["step-000008", "step-000010"]
     assert {name: tree_digest(root / name) for name in strangers} == strangers
+
+
+# ------------------------------------------------------------------------------ an on-exit command that floods
+
+
+def test_an_on_exit_command_that_floods_its_output_cannot_fill_the_disk(tmp_path: Path, trained: Path,
+                                                                      launcher: Launcher):
+    from nanopt.train.exit_hook import LOG_CAP_BYTES
+
+    run = copy_of(trained, tmp_path)
+    printed = 3 * LOG_CAP_BYTES + 12_345
+    launcher.train(run, "--allow-changed", "--on-exit", f"yes nanopt-on-exit | head -c {printed}")
+    log = (run / "on_exit.log").read_bytes()
+    assert len(log) < LOG_CAP_BYTES + 1000  # the header, the first LOG_CAP_BYTES, the note and the footer
+    assert log.count(b"nanopt-on-exit\n") == LOG_CAP_BYTES // len(b"nanopt-on-exit\n")
+    dropped = printed - LOG_CAP_BYTES
+    assert f"[nanopt: {dropped} more bytes of output dropped; on_exit.log keeps the first {LOG_CAP_BYTES} bytes of " \
+           "each run]".encode() in log
+    assert b" on_exit exited 0 after " in log.splitlines()[-1]  # the footer comes last
+
+
+# ------------------------------------------------------------------------ a rendezvous nobody can be reached at
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # a cold `python -m nanopt`: the warm launcher's torch was imported with its C++ log on
+def test_an_unreachable_rendezvous_endpoint_is_one_line_in_bounded_time(tmp_path: Path, tiny_dataset: Path):
+    """Node 1 of 2 given an endpoint where nobody listens (a closed port on this machine; PET_RDZV_CONF's is_host=0
+    makes torchrun treat it as another machine's, read_timeout=2 shortens torchrun's 60 s wait): one line, exit 1,
+    within the wait, nothing written into the run."""
+    from clihelp import run_cli
+
+    run = tiny_run(tmp_path, tiny_dataset, "run")
+    before = tree_digest(run)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    result = run_cli("train", run, "--no-live", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                     env={"PET_RDZV_CONF": "is_host=0,read_timeout=2", "CUDA_VISIBLE_DEVICES": ""})
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = [text for text in result.stderr.splitlines() if text.strip()]
+    assert line.startswith(f"error: --nnodes 2: could not reach the rendezvous at {endpoint} (gave up after "), line
+    assert "Hint: start the first node (--node-rank 0) too" in line
+    assert tree_digest(run) == before
