@@ -285,3 +285,27 @@ def test_an_unreachable_rendezvous_endpoint_is_one_line_in_bounded_time(tmp_path
     assert line.startswith(f"error: --nnodes 2: could not reach the rendezvous at {endpoint} (gave up after "), line
     assert "Hint: start the first node (--node-rank 0) too" in line
     assert tree_digest(run) == before
+
+
+# ------------------------------------------------------------------ a full disk under a sharded background save
+
+
+@pytest.mark.slow  # two cold torchrun workers
+def test_a_full_disk_during_a_sharded_background_save_is_one_line_and_the_run_resumes(tmp_path: Path, trained: Path,
+                                                                                     launcher: Launcher):
+    """Two ranks resume the run at step 8 under a 30 kB file-size limit: room for metrics.jsonl, not for the shards
+    DCP writes in the background for step 12. The failure comes out at the end as one line, exit 2, `latest` stays
+    on step-000008 with every checkpoint as it was, and the run then resumes from it and finishes (before: DCP's
+    CheckpointException, a BaseException, escaped as a traceback of every rank and 'rank N exited with 1')."""
+    run = copy_of(trained, tmp_path)
+    before = tree_digest(run / "checkpoints")
+    full = launcher.run("train", run, "--no-live", "--nproc-per-node", "2", "--allow-changed", fsize=30_000)
+    assert full.status == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr
+    [line] = error_lines(full.stderr)
+    assert line == ("error: could not write checkpoint step-000012: File too large. Hint: free disk space or fix "
+                    "permissions; earlier checkpoints and 'latest' are intact"), line
+    assert tree_digest(run / "checkpoints") == before  # latest still names step-000008; nothing half-written
+    resumed = launcher.train(run, "--allow-changed")
+    assert "resumed from" in resumed.stderr and "step-000008" in resumed.stderr
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000012"

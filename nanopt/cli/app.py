@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")
         _leave(130)
-    except Exception as exc:  # a crash: a bug in nanopt or a library, not a mistake to fix
+    except BaseException as exc:  # a crash: a bug in nanopt or a library (DCP's CheckpointException is no Exception)
         if ranks().world_size == 1:
             raise  # Python's own report: the traceback and status 1
         _report_crash(exc)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     _leave(code if isinstance(code, int) else 0)
 
 
-def _report_crash(exc: Exception) -> None:
+def _report_crash(exc: BaseException) -> None:
     """A torchrun worker's crash: its traceback, then its one line for nanopt's launcher, which names the rank and
     exits 1 (the ranks that lose contact because of it are not news); under a plain torchrun, the traceback alone."""
     import traceback

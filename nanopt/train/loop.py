@@ -56,8 +56,8 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
             if rt.distributed:
                 _keep_until_exit.append(session)
             return summary
-    except Exception as exc:
-        crashed = not isinstance(exc, NanoptError)
+    except BaseException as exc:
+        crashed = not isinstance(exc, (NanoptError, KeyboardInterrupt, SystemExit))
         raise
     finally:
         lock.release()
