@@ -427,6 +427,10 @@ class _preemption_handler:
         self.session.observer.note(f"received {signal.Signals(signum).name}: finishing this step, saving a "
                                    "checkpoint, then exiting (send it again to stop at once)")
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if kind is not None and self.session.rt.distributed:
+            # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
+            # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits it).
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
