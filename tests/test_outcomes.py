@@ -74,27 +74,30 @@ def test_a_disk_too_full_for_the_lock_holder_line_is_still_one_line(tmp_path: Pa
 # ------------------------------------------------------------------------------ a rank that raises (a bug)
 
 
-@pytest.mark.parametrize("restarts", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rank, restarts", [(1, 0), pytest.param(0, 0, marks=pytest.mark.slow),
+                                           pytest.param(1, 1, marks=pytest.mark.slow)])
 def test_a_crashed_rank_is_named_with_its_error_and_exit_1(tmp_path: Path, tiny_dataset: Path, launcher: Launcher,
-                                                           restarts: int):
-    """Rank 1 raises a RuntimeError in its 5th step (planted by a test-only sitecustomize): the job exits 1 with one
-    line naming rank 1 and its error, not rank 0's lost contact; each restart line says rank 1 crashed; rank 0's
-    on-exit command hears `crashed` and status 1."""
+                                                           rank: int, restarts: int):
+    """One rank raises a RuntimeError in its 5th step (planted by a test-only sitecustomize): the job exits 1 with one
+    line naming that rank and its error, not the other's lost contact; each restart line says the rank crashed;
+    rank 0's on-exit command hears `crashed` and status 1, once."""
     run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=20, checkpoint_interval=2)
     on_exit = 'echo "$NANOPT_EXIT_REASON $NANOPT_EXIT_STATUS $NANOPT_EXIT_MESSAGE"'
-    env = {"PYTHONPATH": f"{REPO}:{PLANTED_CRASH}", "PLANTED_CRASH_RANK": "1", "PLANTED_CRASH_STEP": "5"}
+    env = {"PYTHONPATH": f"{REPO}:{PLANTED_CRASH}", "PLANTED_CRASH_RANK": str(rank), "PLANTED_CRASH_STEP": "5"}
     job = launcher.run("train", run, "--no-live", "--nproc-per-node", "2", "--max-restarts", restarts,
                        "--on-exit", on_exit, env=env)
     assert job.status == 1, job.stderr[-3000:]
+    crash = f"crashed with RuntimeError: planted crash in rank {rank}"
     [line] = error_lines(job.stderr)
-    assert line.startswith("error: rank 1: crashed with RuntimeError: planted crash in rank 1"), line
+    assert line.startswith(f"error: rank {rank}: {crash} (the traceback is above). Hint: a bug"), line
     assert "lost contact" not in job.stderr
     restarted = [text for text in job.stderr.splitlines() if text.startswith("restart ")]
     assert len(restarted) == restarts
-    assert all("rank 1 (pid " in text and "crashed with RuntimeError: planted crash" in text for text in restarted)
+    assert all(f"after rank {rank} (pid " in text and crash in text for text in restarted)
     assert "killed by SIGTERM" not in job.stderr
     hook = (run / "on_exit.log").read_text()
-    assert hook.count("crashed 1 rank 1 crashed with RuntimeError: planted crash in rank 1") == 1, hook
+    said = f"crashed 1 rank 1 {crash}" if rank else "crashed 1 RuntimeError: planted crash in rank 0"
+    assert hook.count(said) == 1 and hook.count("nanopt train ended:") == 1, hook
 
 
 # ---------------------------------------------------------------------- eval and export with a damaged `latest`

@@ -62,10 +62,11 @@ def crash_of_another_rank(rank: int) -> RankError | None:
 
 
 def lines_to_print(errors: list[RankError]) -> list[str]:
-    """The causes, each once: one line if every rank that failed says the same, else one line per rank."""
+    """The causes, each once: one line if every rank that failed says the same, else one line per rank (a rank that
+    crashed alone is always named, rank 0 too)."""
     causes = [e for e in errors if not e.lost_contact] or errors[:1]
     if not causes:
         return []
-    if len({e.line for e in causes}) == 1 and (len(causes) > 1 or causes[0].rank == 0):
+    if len({e.line for e in causes}) == 1 and (len(causes) > 1 or (causes[0].rank == 0 and not causes[0].crashed)):
         return [causes[0].line]
     return [f"rank {e.rank}: {e.line}" for e in causes]
