@@ -110,6 +110,26 @@ def open_file(path: Path, mode: str = "wb", encoding: str | None = None) -> IO[A
         raise
 
 
+def append_whole(path: Path, text: str) -> None:
+    """`text` appended to `path` whole or not at all (created if missing, never through a link): a full disk or a
+    file-size limit may take part of a write, and a torn line would stay in an append-only record such as
+    metrics.jsonl, so on any failure the file is cut back to its length before."""
+    data = text.encode("utf-8")
+    fd = _open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        st = os.fstat(fd)
+        _check_file(Path(path), st)
+        try:
+            done = 0
+            while done < len(data):  # a short write is retried: the rest either fits or raises (EFBIG, ENOSPC)
+                done += os.write(fd, data[done:])
+        except OSError as exc:
+            os.ftruncate(fd, st.st_size)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # os.write's error names no file
+    finally:
+        os.close(fd)
+
+
 def write_file(path: Path, data: bytes | str) -> None:
     """`path` written whole, in place: a file in a directory nanopt made for it (replace_file otherwise)."""
     with open_file(path, "wb") as f:

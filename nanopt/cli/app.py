@@ -124,7 +124,25 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         console(stderr=True).print("interrupted")
         _leave(130)
+    except BaseException as exc:  # a crash: a bug in nanopt or a library (DCP's CheckpointException is no Exception)
+        if ranks().world_size == 1:
+            raise  # Python's own report: the traceback and status 1
+        _report_crash(exc)
+        _leave(1)
     _leave(code if isinstance(code, int) else 0)
+
+
+def _report_crash(exc: BaseException) -> None:
+    """A torchrun worker's crash: its traceback, then its one line for nanopt's launcher, which names the rank and
+    exits 1 (the ranks that lose contact because of it are not news); under a plain torchrun, the traceback alone."""
+    import traceback
+
+    traceback.print_exc()
+    text = str(exc).strip().splitlines()
+    line = (f"crashed with {type(exc).__name__}{': ' + text[0][:300] if text else ''} (the traceback is above). "
+            "Hint: a bug, not a setting: complete checkpoints are kept, run the same command to resume; report the "
+            "traceback if it happens again")
+    hand_to_launcher(ranks().rank, line, lost_contact=False, crashed=True)
 
 
 # What the libraries under nanopt print of their own accord: the Hugging Face hub's retry warnings, `datasets`' logged

@@ -108,6 +108,7 @@ def eval_command(
     results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
     if not is_main:
         return
+    _print_checkpoint_notes(results)
     if no_loss:
         _render_samples_only(results, as_json)
         return
@@ -124,6 +125,14 @@ def eval_command(
     else:
         _render_comparison(rows, compare.notes(rows))
         console().print(escape(f"chart: {drawn} (train and validation loss of {len(rows)} runs, against tokens)"))
+
+
+def _print_checkpoint_notes(results: list[dict[str, Any]]) -> None:
+    """On stderr, before the results: which checkpoint was used when `latest` could not be, and a checkpoint that
+    training removed while it was evaluated."""
+    for r in results:
+        for note in r.get("notes") or []:
+            console(stderr=True).print(f"[yellow]note:[/] {escape(r['run'])}: {escape(note)}", soft_wrap=True)
 
 
 def _token_count(text: str) -> int | None:

@@ -43,11 +43,12 @@ def export_command(
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print what was written as JSON."),
 ) -> None:
     """Export a checkpoint to a transformers directory that AutoModelForCausalLM and AutoTokenizer load."""
-    from nanopt.evaluate.trained import open_trained
+    from nanopt.evaluate.trained import open_trained, refuse_fallback
     from nanopt.export.hf import export_hf
     from nanopt.train.checkpoint import load_model_state
 
     trained = open_trained(run_dir, checkpoint, data, for_loss=False)
+    refuse_fallback(trained)  # shipping older weights than `latest` is never done unasked
     written = export_hf(trained.run.model, load_model_state(trained.checkpoint), trained.tokenizer_path,
                         out if out is not None else RunDir(run_dir).export_dir, eos_id=trained.eos_id,
                         force=force, run_dir=run_dir)

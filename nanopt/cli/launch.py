@@ -21,13 +21,14 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.markup import escape
 
-from nanopt.cli.app import console
+from nanopt.cli.app import QUIET_LIBRARY_ENV, console
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, RankError, collected, lines_to_print
 from nanopt.errors import ConfigError
 from nanopt.parsing import check_option
@@ -92,10 +93,11 @@ def _check_endpoint(nnodes: int, endpoint: str | None) -> None:
 
 
 def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, max_restarts: int = 0) -> NoReturn:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
-    from torch.distributed.run import main as torchrun_main
+    with _torch_cpp_errors_off():
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
+        from torch.distributed.run import main as torchrun_main
 
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     if nnodes > 1 or endpoint:
@@ -112,6 +114,7 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, 
         os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it (see nanopt.cli.rank_errors)
         # The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or
         # --max as abbreviations of its own (--start-method, --max-restarts) and stops.
+        started = time.monotonic()
         try:
             torchrun_main(args + ["-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])])
         except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them
@@ -120,15 +123,51 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, 
             sys.exit(STOPPED_EARLY)
         except ChildFailedError as exc:
             _print_rank_errors(Path(folder))
-            sys.exit(_failure_status(exc.failures))
+            sys.exit(_failure_status(exc.failures, collected(Path(folder))))
         except RendezvousError as exc:  # raised in this process, before any rank of the attempt started
-            what = ("not every node joined in time" if isinstance(exc, RendezvousTimeoutError)
-                    else f"{type(exc).__name__}: {exc}".rstrip(": "))
-            _error(f"--nnodes {nnodes}: the rendezvous at {endpoint or 'this machine'} failed ({what})",
-                   "start the same command on every node, each with its own --node-rank and the first node's "
-                   "HOST:PORT, reachable from the others, as --rdzv-endpoint; complete checkpoints are kept")
+            _rendezvous_failed(exc, nnodes, endpoint, time.monotonic() - started)
             sys.exit(1)
     sys.exit(0)
+
+
+def _rendezvous_failed(exc: Exception, nnodes: int, endpoint: str | None, seconds: float) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    if isinstance(exc, RendezvousConnectionError):  # this node could not reach the store at the endpoint
+        cause = (str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__])[0]
+        _error(f"--nnodes {nnodes}: could not reach the rendezvous at {endpoint} (gave up after {seconds:.0f} s: "
+               f"{cause.rstrip('.')})",
+               "start the first node (--node-rank 0) too, and check that this machine reaches its HOST:PORT (the "
+               "name resolves, the port is not firewalled); the wait is torchrun's read_timeout (60 s unless "
+               "PET_RDZV_CONF=read_timeout=SECONDS); complete checkpoints are kept")
+        return
+    what = ("not every node joined in time" if isinstance(exc, RendezvousTimeoutError)
+            else f"{type(exc).__name__}: {exc}".rstrip(": "))
+    _error(f"--nnodes {nnodes}: the rendezvous at {endpoint or 'this machine'} failed ({what})",
+           "start the same command on every node, each with its own --node-rank and the first node's "
+           "HOST:PORT, reachable from the others, as --rdzv-endpoint; complete checkpoints are kept")
+
+
+@contextlib.contextmanager
+def _torch_cpp_errors_off() -> Iterator[None]:
+    """Import torch with its C++ log at FATAL in this process: torch reads TORCH_CPP_LOG_LEVEL once, when it is
+    imported, and here (torchrun's agent, which only joins the rendezvous and watches the ranks) its C++ errors are
+    the agent's retries to reach an endpoint, each with a stack of C++ frames, before the one line nanopt prints.
+    The ranks keep the level they were given (the variable is put back before they start), and a level the person
+    chose is left alone."""
+    name = "TORCH_CPP_LOG_LEVEL"
+    level = os.environ.get(name)
+    if "torch" in sys.modules or level not in (None, QUIET_LIBRARY_ENV[name]):
+        yield
+        return
+    os.environ[name] = "FATAL"
+    try:
+        yield
+    finally:
+        if level is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = level
 
 
 def _print_rank_errors(folder: Path) -> None:
@@ -147,7 +186,9 @@ def _quiet_torchrun_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _failure_status(failures: dict[int, Any]) -> int:
+def _failure_status(failures: dict[int, Any], errors: list[RankError]) -> int:
+    if any(e.crashed for e in errors):  # its line, printed above, names the rank; the others only lost it
+        return 1
     # Once one rank fails torchrun stops the others with SIGTERM: those are not news.
     codes = {f.exitcode for f in failures.values()} - {-signal.SIGTERM}
     if codes and codes <= VERDICTS:  # the ranks' own reports, printed above, say why
@@ -171,10 +212,22 @@ def _what_happened(rank: int, failure: Any) -> str:
     return f"rank {rank} (pid {failure.pid}) {how}"
 
 
+def _restart_cause(failures: dict[int, Any], errors: list[RankError]) -> str:
+    """What a restart line blames: a rank's crash as it reported it (torchrun may have stopped that rank with
+    SIGTERM while it was leaving, which is not what happened to it), else the failure that explains the others."""
+    crash = next((e for e in errors if e.crashed), None)
+    if crash is None:
+        return _what_happened(*_culprit(failures))
+    pid = f" (pid {failures[crash.rank].pid})" if crash.rank in failures else ""
+    return f"rank {crash.rank}{pid} {crash.line.split(' (the traceback')[0]}"
+
+
 def worth_a_restart(failures: dict[int, Any], errors: list[RankError]) -> bool:
     """Whether restarting the ranks may get past this failure: a rank was killed or crashed, or every rank that
     failed only lost contact (the cause is on another node). A rank's own verdict (a mistake to fix, a
     preemption, failed checks) would only come again, and cost a restart's start-up each time."""
+    if any(e.crashed for e in errors):
+        return True
     lost_contact = {e.rank for e in errors if e.lost_contact}
     causes = [f.exitcode for rank, f in failures.items() if f.exitcode != -signal.SIGTERM and rank not in lost_contact]
     return not causes or not set(causes) <= VERDICTS
@@ -207,7 +260,7 @@ def _restarts_reported(error_dir: Path) -> Iterator[None]:
         def _restart_workers(self, worker_group: Any) -> None:
             if self.failures:  # else the membership changed: a node joined, and every node starts again with it
                 attempt = worker_group.spec.max_restarts - self._remaining_restarts
-                what = _what_happened(*_culprit(self.failures))
+                what = _restart_cause(self.failures, collected(error_dir))
                 _say(f"restart {attempt} of {worker_group.spec.max_restarts} after {what}: every rank starts "
                      "again from the newest checkpoint")
             for path in error_dir.glob("*.json"):  # the failed attempt's reports: a later failure writes its own

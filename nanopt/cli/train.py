@@ -14,8 +14,9 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
-from nanopt.cli.rank_errors import ERROR_DIR_ENV
+from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
 from nanopt.cli.train_display import Display
+from nanopt.errors import DistributedError
 from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
@@ -170,9 +171,12 @@ class _ExitHook:
         if not (self.command and ranks().is_main and exit_hook.ends_the_run(error)) or _restart_follows(error):
             return
         reason = exit_hook.exit_reason(error, summary is None or summary["completed"])
+        message = exit_hook.error_message(error)
+        crash = _crash_behind(error)
+        if crash is not None:  # this rank only lost contact with the one that crashed: the run ends with its crash
+            reason, message = "crashed", f"rank {crash.rank} {crash.line}"
         details = exit_hook.ExitDetails(_EXIT_STATUS[reason], summary["steps"] if summary else None,
-                                        summary["total_steps"] if summary else self.total_steps,
-                                        exit_hook.error_message(error))
+                                        summary["total_steps"] if summary else self.total_steps, message)
         _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
 
 
@@ -180,6 +184,11 @@ def _says_what_runs() -> bool:
     """Rank 0 of a plain torchrun, or the process that starts nanopt's own torchrun (its ranks say nothing of it):
     one announcement per run, before any rank runs a step."""
     return ranks().is_main and not os.environ.get(ERROR_DIR_ENV)
+
+
+def _crash_behind(error: BaseException | None) -> Any:
+    """The crash of another rank that this rank's lost contact comes from (nanopt.cli.rank_errors), or None."""
+    return crash_of_another_rank(ranks().rank) if isinstance(error, DistributedError) else None
 
 
 def _restart_follows(error: BaseException | None) -> bool:

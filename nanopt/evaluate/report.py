@@ -30,12 +30,13 @@ from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
-from nanopt.evaluate.trained import TrainedModel, load_model, open_trained, tokenizer_identity
+from nanopt.evaluate.trained import TrainedModel, fallback_note, load_model, open_trained, tokenizer_identity
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
 from nanopt.parsing import INT64_MAX, check_option, read_json, save_json
-from nanopt.rundir import EVAL_FILE, RunDir
+from nanopt.rundir import CHECKPOINTS, EVAL_FILE, RunDir
 from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown, with_tf32
+from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
 from nanopt.train.phases import newest_per_session
@@ -114,6 +115,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         check_prompts_fit(trained.tokenizer(), opts.samples, trained.run.model.max_position_embeddings)
     if not opts.loss:
         return sample_run(rt, run_dir, trained, opts.samples)
+    check_own_checkpoint(run_dir, trained.checkpoint)
     # The run's own precision setting, so test and in-loop validation losses are measured alike.
     rt = with_tf32(replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device)),
                    trained.run.train.tf32)
@@ -124,9 +126,9 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     if opts.reuse:
         previous = broadcast_object(rt, previous_result(trained.checkpoint, settings) if rt.is_main else None)
         if previous is not None:
-            return {**previous, "reused": True}
+            return {**previous, "reused": True, "notes": _notes(trained)}
 
-    model = load_model(trained, rt.device)
+    model = _load(trained, rt)
     started = time.perf_counter()
     loss = evaluate_loss(model, rt, _tracked(batches, progress, f"{run_dir} {trained.checkpoint.path.name}"))
     seconds = time.perf_counter() - started
@@ -136,7 +138,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     bytes_per_token = trained.dataset.bytes_per_token(SPLIT)
     result = {
         "run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
-        "dataset": str(trained.dataset.path), "split": SPLIT,
+        "notes": _notes(trained), "dataset": str(trained.dataset.path), "split": SPLIT,
         "test_loss": loss.loss, "perplexity": loss.perplexity,
         "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "tokens": loss.tokens,
         "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token,
@@ -146,36 +148,90 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    write_result(rt, result, [trained.checkpoint.path / EVAL_FILE, RunDir(run_dir).eval_json])
+    write_result(rt, result, trained, RunDir(run_dir).eval_json)
     return result
+
+
+def _notes(trained: TrainedModel) -> list[str]:
+    note = fallback_note(trained)
+    return [note] if note else []
+
+
+def _load(trained: TrainedModel, rt: Runtime) -> Any:
+    """The model with the checkpoint's weights, read in full now: from here on the evaluation needs none of the
+    checkpoint's files, which a training of the same run may delete (retention) while it runs."""
+    try:
+        return load_model(trained, rt.device)
+    except FileNotFoundError:
+        if trained.checkpoint.path.is_dir():
+            raise
+        raise CheckpointError(f"{trained.checkpoint.path} was removed while eval read it ({_who_removed(trained)})",
+                              "evaluate a checkpoint that training keeps (--checkpoint latest), or evaluate once "
+                              "training has ended") from None
+
+
+def _who_removed(trained: TrainedModel) -> str:
+    return (f"a `nanopt train` of this run keeps only its newest {trained.run.train.keep_checkpoints} "
+            "checkpoint(s) and deletes older ones")
+
+
+def check_own_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
+    """CheckpointError when --checkpoint is a path into another run's checkpoints/: its result would be recorded as
+    RUN's (RUN/eval.json, RUN's training cost) and its eval.json written into the other run. A checkpoint kept
+    outside any run (a copy, a backup) is evaluated as RUN's, as asked."""
+    holder = ckpt.path.resolve().parent
+    if holder == RunDir(run_dir).checkpoints.resolve() or holder.name != CHECKPOINTS:
+        return
+    owner = RunDir(holder.parent)
+    if owner.model_json.is_file() or owner.train_json.is_file():
+        raise CheckpointError(f"{ckpt.path} is a checkpoint of the run {owner.root}, not of {run_dir}: its result "
+                              f"would be recorded as {run_dir}'s",
+                              f"evaluate it as its own run's: nanopt eval {shell_word(owner.root)} --checkpoint "
+                              f"{ckpt.path.name}")
 
 
 def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, settings: SampleSettings) -> dict[str, Any]:
     """Samples only (`--no-loss`): nothing is measured, so no eval.json is written, which comparisons would read as
     a measurement. The dataset is None unless --data named one (an old checkpoint's tokenizer comes from it)."""
-    model = load_model(trained, rt.device)
+    model = _load(trained, rt)
     samples = generate_samples(model, trained.tokenizer(), trained.eos_id, settings) if rt.is_main else []
     return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
+            "notes": _notes(trained),
             "dataset": str(trained.dataset.path) if trained.dataset else None, "test_loss": None,
             "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": {"samples": asdict(settings)},
             "device": str(rt.device)}
 
 
-def write_result(rt: Runtime, result: dict[str, Any], paths: list[Path]) -> None:
-    """Rank 0 writes each file atomically; every rank learns whether it could, so all raise or none does."""
+def write_result(rt: Runtime, result: dict[str, Any], trained: TrainedModel, run_file: Path) -> None:
+    """Rank 0 writes eval.json beside the checkpoint and into the run, each atomically; every rank learns whether it
+    could, so all raise or none does. A checkpoint that a training of the run removed while it was evaluated costs
+    only the copy beside it: the result is kept in the run, with a note that says so."""
     failure = None
     if rt.is_main:
         try:
-            for path in paths:
-                save_json(path, result)
+            if not _saved_beside(trained.checkpoint.path, result):
+                result["notes"].append(f"{trained.checkpoint.path.name} was removed while it was evaluated "
+                                       f"({_who_removed(trained)}): the result is kept in {run_file} only")
+            save_json(run_file, result)
         except OSError as exc:
-            failure = (f"could not write {exc.filename or paths[0]}: {exc.strerror or exc}",
+            failure = (f"could not write {exc.filename or run_file}: {exc.strerror or exc}",
                        "make the run directory writable, or copy the run somewhere writable")
         except WritePathError as exc:  # a link at eval.json or its temporary: never written through
             failure = (exc.message, exc.hint)
     failure = broadcast_object(rt, failure)
     if failure is not None:
         raise CheckpointError(*failure)
+
+
+def _saved_beside(checkpoint: Path, result: dict[str, Any]) -> bool:
+    """Write the checkpoint's eval.json; False when the checkpoint directory is gone."""
+    try:
+        save_json(checkpoint / EVAL_FILE, result)
+    except FileNotFoundError:
+        if checkpoint.is_dir():
+            raise
+        return False
+    return True
 
 
 def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float) -> float:

@@ -25,7 +25,7 @@ from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import from_dict, path_kind
 from nanopt.shown import shell_word
-from nanopt.train.checkpoint import Checkpoint, load_weights, resolve
+from nanopt.train.checkpoint import Checkpoint, latest, load_weights, resolve
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 
@@ -41,6 +41,8 @@ class TrainedModel:
     eos_id: int  # the id that separates documents, from the checkpoint (older checkpoints: the dataset)
     tokenizer_check: str  # how the tokenizer was checked against the one the run trained with
     _tokenizer: Any = field(repr=False, compare=False)
+    # Why `latest` was not the newest checkpoint (damaged ones passed over), or () when it was.
+    fallback_notes: tuple[str, ...] = ()
 
     def tokenizer(self) -> Any:
         """The parsed tokenizers.Tokenizer (read when the checkpoint was opened)."""
@@ -54,7 +56,7 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None,
     or the checkpoint is too old to carry its tokenizer."""
     run_dir = Path(run_dir)
     check_run_directory(run_dir)
-    ckpt = resolve(run_dir, which)
+    ckpt, fallback_notes = _resolve_saying_fallback(run_dir, which)
     run = run_config_from_snapshot(run_dir, ckpt)
     carried = ckpt.tokenizer_path
     dataset = _open_dataset(run, ckpt, data, for_loss)
@@ -62,14 +64,43 @@ def open_trained(run_dir: Path, which: str = "latest", data: Path | None = None,
         own = read_tokenizer_file(carried, "use another checkpoint", CheckpointError)
         return TrainedModel(run=run, checkpoint=ckpt, dataset=None, tokenizer_path=carried,
                             eos_id=ckpt.meta["eos_id"], tokenizer_check=f"the tokenizer.json {ckpt.path.name} "
-                            "carries", _tokenizer=own)
+                            "carries", _tokenizer=own, fallback_notes=fallback_notes)
     tokenizer = dataset.tokenizer()  # an unreadable file fails now, not after the work
     tokenizer_check = check_same_tokenizer(run, ckpt, dataset)
     check_compatible(dataset, run.model.vocab_size)
     # A carried tokenizer has the dataset's bytes (same sha256), so either parse serves.
     return TrainedModel(run=run, checkpoint=ckpt, dataset=dataset, tokenizer_path=carried or dataset.tokenizer_path,
                         eos_id=ckpt.meta["eos_id"] if carried else dataset.eos_id, tokenizer_check=tokenizer_check,
-                        _tokenizer=tokenizer)
+                        _tokenizer=tokenizer, fallback_notes=fallback_notes)
+
+
+def _resolve_saying_fallback(run_dir: Path, which: str) -> tuple[Checkpoint, tuple[str, ...]]:
+    """The checkpoint `which` names and, for `latest`, why it is not the newest one when a damaged newer one was
+    passed over: a result or an export must never silently come from older weights than the user expects."""
+    if which in ("latest", "auto"):
+        found, notes = latest(run_dir)
+        if found is not None:
+            return found, tuple(notes)
+    return resolve(run_dir, which), ()  # raises the error that says why there is none
+
+
+def fallback_note(trained: TrainedModel) -> str | None:
+    """One line naming the checkpoint used and the newer one(s) passed over, or None when `latest` was used."""
+    if not trained.fallback_notes:
+        return None
+    return (f"using {trained.checkpoint.path.name}, not the newest checkpoint: "
+            f"{'; '.join(note.rstrip('.') for note in trained.fallback_notes)}")
+
+
+def refuse_fallback(trained: TrainedModel) -> None:
+    """For export: CheckpointError when `latest` could not be used and an older checkpoint would be shipped in its
+    place without the user having asked for it by name."""
+    if trained.fallback_notes:
+        name = trained.checkpoint.path.name
+        passed_over = "; ".join(note.rstrip(".") for note in trained.fallback_notes)
+        raise CheckpointError(f"{trained.run.run_dir}: {passed_over}; not exporting the older {name} in its place",
+                              f"to export {name}, name it: --checkpoint {name}; for the newest weights, repair "
+                              "or retrain the damaged checkpoint")
 
 
 def _open_dataset(run: RunConfig, ckpt: Checkpoint, data: Path | None, for_loss: bool) -> TokenDataset | None:

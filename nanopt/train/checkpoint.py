@@ -261,14 +261,25 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def apply_retention(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; never the newest, never the one `best` names."""
+    """Delete all but the newest `keep` checkpoints; never the newest, never the one `best` names. Only directories
+    nanopt wrote count, named after the step their meta.json records: a foreign or renamed one is never deleted and
+    takes no slot (else it would keep one of the `keep` real checkpoints from being kept)."""
     root = checkpoints_dir(run_dir)
     protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
-    complete = complete_checkpoints(run_dir)
+    complete = [p for p in complete_checkpoints(run_dir) if _named_after_its_step(p)]
     doomed = [p for p in complete[:-max(1, keep)] if p.name not in protected]
     for path in doomed:
         _remove(path)
     return doomed
+
+
+def _named_after_its_step(path: Path) -> bool:
+    """Whether `path` is named step_dir_name(the step its meta.json records); unreadable or foreign: False."""
+    try:
+        step = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
+        return False
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and path.name == step_dir_name(step)
 
 
 def _remove(path: Path) -> None:

@@ -41,6 +41,16 @@ TORCHRUN_ENV_PREFIX = "TORCHELASTIC_"
 KILL_GRACE_S = 2.0
 SHOWN_COMMAND_CHARS = 60  # a long command is cut in the one-line report (the log holds it whole)
 
+# on_exit.log keeps the first this many bytes of each run of the command, then one line counting the rest: a command
+# that prints without end (`yes`, a loop) must not fill the disk the run directory is on.
+LOG_CAP_BYTES = 8 << 20
+# The command's output goes through a pipe to this little shell program, in a session of its own, which appends to
+# on_exit.log. Not a thread of nanopt: a background job the command leaves running may print after nanopt has
+# exited, and must not be killed by SIGPIPE for it (it was not when its output went straight to the log).
+_CAPPER = ('head -c "$1"; rest=$(wc -c | tr -d " "); [ "$rest" = 0 ] || '
+           'printf "\\n%s\\n" "[nanopt: $rest more bytes of output dropped; on_exit.log keeps the first $1 bytes of '
+           'each run]"')
+
 
 def exit_reason(error: BaseException | None, completed: bool = True) -> str:
     """Why `nanopt train` ended: the error it is leaving with (None: it returned a summary, `completed` or not)."""
@@ -161,12 +171,21 @@ def run_exit_hook(command: str, reason: str, run_dir: Path, timeout_s: float, de
 
 def _run_command(command: str, env: dict[str, str], output: IO[bytes], timeout_s: float) -> dict:
     """The shell's exit code, or how it ended otherwise. Its own session: a timeout or Ctrl-C kills its whole process
-    group (what it started too), and torchrun's or a terminal's signals to nanopt's group do not cut it short."""
+    group (what it started too), and torchrun's or a terminal's signals to nanopt's group do not cut it short. Its
+    output reaches the log through the capper (_CAPPER), at most LOG_CAP_BYTES of it."""
+    read_end, write_end = os.pipe()
     try:
-        proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        capper = subprocess.Popen(["/bin/sh", "-c", _CAPPER, "capper", str(LOG_CAP_BYTES)], stdin=read_end,
+                                  stdout=output, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL, stdout=write_end,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        finally:
+            os.close(write_end)  # the command's copy is the only writer: its end is the capper's end of input
     except OSError as exc:  # no /bin/sh, no processes left, ...
         return {"start_error": exc.strerror or str(exc)}
+    finally:
+        os.close(read_end)
     try:
         return {"exit_code": proc.wait(timeout=timeout_s)}
     except subprocess.TimeoutExpired:
@@ -175,6 +194,10 @@ def _run_command(command: str, env: dict[str, str], output: IO[bytes], timeout_s
     except KeyboardInterrupt:  # Ctrl-C while it runs: the person wants it stopped, not nanopt's exit status changed
         _kill_group(proc)
         return {"stopped": True}
+    finally:
+        # Its last output is in the log before the footer, unless a background job it left still holds the pipe.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            capper.wait(timeout=KILL_GRACE_S)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

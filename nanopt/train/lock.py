@@ -86,5 +86,8 @@ class RunLock:
         except OSError:
             pass
         fcntl.flock(self.file.fileno(), fcntl.LOCK_UN)
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # the holder line a full disk refused is flushed again here: the file is closed all the same
+            pass
         self.file = None

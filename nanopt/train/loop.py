@@ -49,6 +49,7 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
     opts = opts or TrainOptions()
     rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     lock = RunLock(run.run_dir)
+    crashed = False
     try:
         _lock_on_rank0(rt, lock)
         session = _reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
@@ -58,9 +59,16 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
             if rt.distributed:
                 _keep_until_exit.append(session)
             return summary
+    except BaseException as exc:
+        crashed = not isinstance(exc, (NanoptError, KeyboardInterrupt, SystemExit))
+        raise
     finally:
         lock.release()
-        shutdown(rt)
+        # A crash (a bug) leaves the process group up: the other ranks notice this rank is gone only when the
+        # process exits, after the CLI has handed its error to nanopt's launcher (nanopt.cli.app.main), which can
+        # then name the crash instead of their lost contact.
+        if not crashed:
+            shutdown(rt)
 
 
 def _lock_on_rank0(rt: Any, lock: RunLock) -> None:
@@ -429,6 +437,10 @@ class _preemption_handler:
         self.session.observer.note(f"received {signal.Signals(signum).name}: finishing this step, saving a "
                                    "checkpoint, then exiting (send it again to stop at once)")
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if kind is not None and self.session.rt.distributed:
+            # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
+            # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits it).
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanopt.files import open_file, replace_file, replacing
+from nanopt.files import append_whole, replace_file, replacing
 from nanopt.rundir import RunDir
 from nanopt.train.records import metrics_lines, parse_record, read_records
 
@@ -53,8 +53,7 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"kind": kind, **fields, "time": round(time.time(), 3)}
-        with open_file(self.path, "a", encoding="utf-8") as f:  # never through a link
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+        append_whole(self.path, json.dumps(record, allow_nan=True) + "\n")
         if self.sinks is not None:  # after metrics.jsonl has it: a sink never costs the source of truth a record
             self.sinks.write(record)
 

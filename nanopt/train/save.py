@@ -91,8 +91,11 @@ def wait_for_save(s: Session) -> None:
         published = pending.future.result()
     except NanoptError as exc:  # a CheckpointError, or a link where the checkpoint goes (WritePathError)
         outcome = (exc.message, exc.hint)
-    except Exception as exc:  # DCP's own failure on this rank (its shard could not be written)
-        outcome = (f"could not write checkpoint {step_dir_name(pending.step)}: {str(exc).splitlines()[0][:200]}",
+    except BaseException as exc:  # DCP's own failure (a shard not written): a CheckpointException, a BaseException
+        reason = sharded.save_failure(exc)
+        if reason is None:
+            raise
+        outcome = (f"could not write checkpoint {step_dir_name(pending.step)}: {reason}",
                    "free disk space or fix permissions; earlier checkpoints and 'latest' are intact")
     outcomes = [o for o in all_gather_object(s.rt, outcome) if o is not None]
     if outcomes:
@@ -110,8 +113,9 @@ def wait_quietly(s: Session, timeout_s: float = 60.0) -> None:
     if pending is not None:
         try:
             pending.future.result(timeout=timeout_s)
-        except Exception:  # the error that ended the run is the one to report
-            pass
+        except BaseException as exc:  # the error that ended the run is the one to report (DCP's is a BaseException)
+            if sharded.save_failure(exc) is None:
+                raise
 
 
 def _record(s: Session, pending: PendingSave, published: Published) -> None:

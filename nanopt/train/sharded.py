@@ -58,6 +58,21 @@ def save_async(state: dict[str, Any], directory: Path, group: Any, stager: Any =
     return dcp.async_save(state, checkpoint_id=str(directory), process_group=group, **staging)
 
 
+def save_failure(exc: BaseException) -> str | None:
+    """Why a save failed, in a few words, for an exception its future raised; None for one that is no failure of the
+    save (KeyboardInterrupt, SystemExit). DCP reports a rank's failed write as a CheckpointException, a
+    BaseException whose text is every rank's traceback: its first OSError says why (a full disk: "File too large",
+    "No space left on device"), else its first failure's own line."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return None
+    causes = [pair[0] for pair in getattr(exc, "failures", {}).values() if isinstance(pair, tuple) and pair]
+    chosen = next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else exc)
+    if isinstance(chosen, OSError) and chosen.strerror:
+        return chosen.strerror
+    text = str(chosen).strip().splitlines()
+    return f"{type(chosen).__name__}: {text[0][:200]}" if text else type(chosen).__name__
+
+
 def new_stager(device: torch.device) -> Any:
     """A stager that keeps the host copy of the state between saves, so that each save after the first copies into
     memory it already has (pinned on CUDA) instead of allocating and faulting in a copy of the whole state: that
