@@ -7,27 +7,24 @@ collectives.
 
 from __future__ import annotations
 
-import errno
 import gc
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig
-from nanopt.errors import DistributedError, NanoptError, WritePathError
+from nanopt.errors import NanoptError, WritePathError
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params, mfu, mfu_note
-from nanopt.rundir import RunDir
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import phases
 from nanopt.train.events import TrainObserver
+from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
-from nanopt.train.oom import is_out_of_memory, out_of_memory_error
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -39,9 +36,6 @@ from nanopt.train.step import step
 # torchrun a finished session stays referenced here and the CLI leaves with os._exit (see nanopt.cli.app.main).
 _keep_until_exit: list[Session] = []
 
-# A disk that refuses writes: full, over quota, past a file-size limit, read-only, or not ours to write.
-DISK_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
 
 def train(run: RunConfig, opts: TrainOptions | None = None,
           observer: TrainObserver | None = None) -> dict[str, Any]:
@@ -52,9 +46,9 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
     crashed = False
     try:
         _lock_on_rank0(rt, lock)
-        session = _reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
+        session = reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
         with _preemption_handler(session):
-            summary = _reporting_failures(run, rt, lambda: loop(session), session)
+            summary = reporting_failures(run, rt, lambda: loop(session), session)
             quiesce(rt)
             if rt.distributed:
                 _keep_until_exit.append(session)
@@ -86,52 +80,6 @@ def _lock_on_rank0(rt: Any, lock: RunLock) -> None:
     if refusal is not None:
         kind, message, hint = refusal
         raise kind(message, hint)
-
-
-def _reporting_failures(run: RunConfig, rt: Any, work: Callable[[], Any], s: Session | None = None) -> Any:
-    """`work()`, with a lost peer and a full or read-only disk turned into one-line errors that say what is kept."""
-    try:
-        return work()
-    except NanoptError:  # decided on every rank together (diverged, disk full), so all can still meet
-        quiesce(rt)
-        raise
-    except RuntimeError as exc:
-        if is_out_of_memory(exc):  # torch.OutOfMemoryError is a RuntimeError
-            raise out_of_memory_error(exc, rt.device, s.state.step + 1 if s else None, _latest(run)) from None
-        if rt.distributed and _lost_peer(exc):
-            raise _peer_error(run, rt, s, exc) from None
-        raise
-    except OSError as exc:  # metrics.jsonl and loss.png meet a full disk first: they are written most often
-        if exc.errno not in DISK_ERRORS:
-            raise
-        raise _disk_error(run, s, exc) from None
-
-
-def _lost_peer(exc: RuntimeError) -> bool:
-    """A collective that failed because another rank died, hung past the timeout or dropped off the network."""
-    import torch.distributed as dist
-
-    return isinstance(exc, dist.DistError) or "gloo" in str(exc) or "NCCL" in str(exc)
-
-
-def _latest(run: RunConfig) -> str:
-    return ckpt.read_pointer(RunDir(run.run_dir).checkpoints, "latest") or "none yet"
-
-
-def _peer_error(run: RunConfig, rt: Any, s: Session | None, exc: RuntimeError) -> DistributedError:
-    detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    where = f" at step {s.state.step}" if s is not None else " while setting up"
-    return DistributedError(f"rank {rt.rank} lost contact with another rank{where} ({detail})",
-                            f"another rank died or hung (its own error says why; the wait is capped by "
-                            f"NANOPT_PG_TIMEOUT_S); complete checkpoints are kept (latest: {_latest(run)}): run the "
-                            "same command to resume")
-
-
-def _disk_error(run: RunConfig, s: Session | None, exc: OSError) -> NanoptError:
-    where = f" at step {s.state.step}" if s is not None else " while setting up"
-    return NanoptError(f"could not write {exc.filename or 'into ' + str(run.run_dir)}{where}: {exc.strerror}",
-                       f"free disk space or make {run.run_dir} writable; complete checkpoints are kept (latest: "
-                       f"{_latest(run)}): run the same command to resume")
 
 
 # ------------------------------------------------------------------------------------------------- setup
