@@ -26,7 +26,7 @@ class TensorSpec(NamedTuple):
         return self.shape == other.shape and (self.dtype is None or other.dtype is None or self.dtype == other.dtype)
 
     def __str__(self) -> str:
-        return f"{self.shape}" + (f" {self.dtype}" if self.dtype else "")
+        return f"{self.dtype} {self.shape}" if self.dtype else f"{self.shape}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -74,8 +74,11 @@ def mismatch(expected: Mapping[str, TensorSpec], found: Mapping[str, TensorSpec]
     if missing or unexpected:
         return f"missing {few(missing)}, unexpected {few(unexpected)}"
     for key in sorted(set(expected) & set(found)):
-        if not expected[key].matches(found[key]):
-            return f"{key} is {found[key]}, the model's {expected[key]}"
+        want, have = expected[key], found[key]
+        if want.shape != have.shape:
+            return f"{key} has shape {have.shape}, the model's {want.shape}"
+        if not want.matches(have):
+            return f"{key} is {have.dtype}, the model's {want.dtype}"
     return None
 
 

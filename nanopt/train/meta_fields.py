@@ -50,7 +50,7 @@ def _finite(value: int | float) -> bool:
 def check_resume_fields(meta: dict[str, Any], bad: Bad) -> None:
     """CheckpointError (from `bad`) for the first resume field out of range; `meta` passed check_meta's types."""
     _check_counters(meta, bad)
-    _check_recovery(meta.get("recovery"), bad)
+    _check_recovery(meta.get("recovery"), meta["step"], bad)
     _check_metrics(meta.get("metrics"), bad)
     if len(meta["ranks"]) != meta["world_size"]:
         raise bad(f"'ranks' lists {len(meta['ranks'])} rank(s) for a world_size of {meta['world_size']}")
@@ -85,8 +85,9 @@ def _is_loss(value: Any) -> bool:
     return not _finite(value) or value >= 0
 
 
-def _check_recovery(recovery: Any, bad: Bad) -> None:
-    """The rollback counters (nanopt.train.recovery): absent before automatic recovery existed."""
+def _check_recovery(recovery: Any, step: int, bad: Bad) -> None:
+    """The rollback counters (nanopt.train.recovery): absent before automatic recovery existed. A ramp starts at
+    the step rolled back to, never after the checkpoint's own."""
     if recovery is None:
         return
     if not isinstance(recovery, dict):
@@ -94,6 +95,8 @@ def _check_recovery(recovery: Any, bad: Bad) -> None:
     for key in ("recoveries", "lr_ramp_start"):
         if key in recovery and not is_int(recovery[key]):
             raise bad(f"recovery.{key} is {show_value(recovery[key])}, not a non-negative integer")
+    if recovery.get("lr_ramp_start", 0) > step:
+        raise bad(f"recovery.lr_ramp_start {recovery['lr_ramp_start']:,} is after the checkpoint's step {step:,}")
     factor = recovery.get("lr_ramp_factor", 1.0)
     if not (is_number(factor) and 0 < factor <= 1):  # recovery_lr_factor's range, times a ramp in (0, 1]
         raise bad(f"recovery.lr_ramp_factor is {show_value(factor)}, outside (0, 1]")
