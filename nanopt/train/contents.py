@@ -12,6 +12,7 @@ one line instead of failing in torch.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def check_contents(path: Path, meta: dict[str, Any], bad: Bad) -> ModelConfig:
                               "tensors are stored")
     aliases = meta.get("tied", {})
     own_aliases = tied_aliases(meta_model(model))
-    if any(own_aliases.get(alias) != source for alias, source in aliases.items()):
+    if any(alias not in own_aliases or own_aliases[alias] != source for alias, source in aliases.items()):
         raise bad(f"'tied' is {str(aliases)[:60]}, the model ties {own_aliases}")
     problem = mismatch({k: v for k, v in tensor_specs(model).items() if k not in aliases}, weights)
     if problem:
@@ -124,3 +125,18 @@ def _check_groups(groups: list[dict[str, Any]], model: ModelConfig, optimizer: s
     for index, (group, names) in enumerate(zip(groups, expected, strict=True)):
         if len(set(group["params"])) != len(group["params"]) or set(group["params"]) != set(names):
             raise bad(f"optimizer_param_groups[{index}] lists other parameters than {optimizer}'s group {index}")
+        kind = "muon" if optimizer == "muon" and index == len(expected) - 1 else "adamw"  # Muon's group is last
+        unknown = sorted(set(group) - _group_keys(kind))
+        if unknown:  # torch's loader looks each key up in the live optimizer's groups
+            raise bad(f"optimizer_param_groups[{index}] holds {unknown[0][:40]!r}, which this torch's optimizer "
+                      "does not have")
+
+
+@functools.cache
+def _group_keys(kind: str) -> frozenset[str]:
+    """The keys of a param group of this torch's AdamW or Muon (learnt from one on the meta device)."""
+    import torch
+
+    param = torch.nn.Parameter(torch.empty(2, 2, device="meta"))
+    optimizer = torch.optim.AdamW([param]) if kind == "adamw" else torch.optim.Muon([param])
+    return frozenset(optimizer.param_groups[0])
