@@ -60,8 +60,8 @@ def read_as_nanopt_does(world: dict[str, Any]) -> None:
 
     session = world["session"]
     found = ckpt.verify(world["copy"])
-    run_config_from_snapshot(world["run"], found)  # eval and export
-    ckpt.load_weights(Transformer(found.model), found)
+    snapshot = run_config_from_snapshot(world["run"], found)  # eval and export
+    ckpt.load_weights(Transformer(snapshot.model), found)
     check_resumable(found.meta, session.run, data_fingerprint(session.dataset), allow_changed=True)  # train
     load_checkpoint(session, found)
 
