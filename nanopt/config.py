@@ -326,7 +326,9 @@ def _check_wandb_project(project: str | None, source: str) -> None:
 def _check_dataset_path(data: str, source: str, look_up: bool = True) -> None:
     """A `data` value the operating system cannot even look up (empty, a NUL byte, a name too long) is a typo in
     train.json, not a missing dataset: say so here rather than fail inside a path lookup."""
-    problem = "is empty" if not data.strip() else "holds a NUL byte" if "\0" in data else None
+    problem = "is empty" if not data.strip() else None
+    if problem is None and not look_up and "\0" in data:  # what the lookup below would refuse
+        problem = "holds a NUL byte"
     if problem is None and look_up:
         try:
             os.stat(data)
