@@ -123,7 +123,11 @@ def check_complete(directory: Path, files: list[str]) -> None:
 def stored_specs(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """{key: (shape, dtype name)} of every entry in the index, read without loading a shard; an entry stored as an
     object, not a tensor, has the dtype "object"."""
-    return {key: _spec(meta) for key, meta in _index(directory).state_dict_metadata.items()}
+    entries = getattr(_index(directory), "state_dict_metadata", None)
+    if not (isinstance(entries, dict) and all(isinstance(key, str) for key in entries)):
+        raise CheckpointError(f"{directory / METADATA_FILE}: its entries are not a table of names (not written by "
+                              "nanopt)", "use another checkpoint")
+    return {key: _spec(meta) for key, meta in entries.items()}
 
 
 def _spec(meta: Any) -> tuple[tuple[int, ...], str]:
