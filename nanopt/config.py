@@ -169,8 +169,9 @@ class TrainConfig:
     wandb_project: str | None = None  # a W&B project name turns Weights & Biases logging on
     wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
 
-    def validate(self, model: ModelConfig, source: str = "train.json") -> None:
-        _check_dataset_path(self.data, source)
+    def validate(self, model: ModelConfig, source: str = "train.json", *, look_up_data: bool = True) -> None:
+        # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
+        _check_dataset_path(self.data, source, look_up_data)
         _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "keep_checkpoints",
                                        "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
                                        "recovery_confirm_steps", "max_recoveries"))
@@ -323,11 +324,13 @@ def _check_wandb_project(project: str | None, source: str) -> None:
                           "use up to 128 characters without / \\ # ? % :, e.g. \"nanopt\"; null turns W&B off")
 
 
-def _check_dataset_path(data: str, source: str) -> None:
+def _check_dataset_path(data: str, source: str, look_up: bool = True) -> None:
     """A `data` value the operating system cannot even look up (empty, a NUL byte, a name too long) is a typo in
     train.json, not a missing dataset: say so here rather than fail inside a path lookup."""
     problem = "is empty" if not data.strip() else None
-    if problem is None:
+    if problem is None and not look_up and "\0" in data:  # what the lookup below would refuse
+        problem = "holds a NUL byte"
+    if problem is None and look_up:
         try:
             os.stat(data)
         except FileNotFoundError:
@@ -399,6 +402,17 @@ def _read_token_counts(raw: Any, source: str) -> Any:
             if key in TOKEN_COUNT_KEYS and isinstance(value, str) else value for key, value in raw.items()}
 
 
-def model_config_from_snapshot(data: dict[str, Any]) -> ModelConfig:
-    return from_dict(ModelConfig, data, "checkpoint meta.json model config")
+def model_config_from_snapshot(data: Any, source: str = "checkpoint meta.json model config") -> ModelConfig:
+    """A checkpoint's model snapshot, validated as model.json is: eval and export build the model from it."""
+    cfg = from_dict(ModelConfig, data, source)
+    cfg.validate(source)
+    return cfg
+
+
+def train_config_from_snapshot(data: Any, model: ModelConfig,
+                               source: str = "checkpoint meta.json train config") -> TrainConfig:
+    """A checkpoint's train snapshot, validated exactly as train.json is (its dataset path as text only)."""
+    train = from_dict(TrainConfig, data, source)
+    train.validate(model, source, look_up_data=False)
+    return train
 

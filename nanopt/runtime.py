@@ -1,4 +1,5 @@
 """Where and how a process runs: device, dtype, seeding, ranks, process groups, and what the device holds.
+(The random streams a checkpoint carries are saved and restored by nanopt.rng.)
 
 The only reader of torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE; TORCHELASTIC_RESTART_COUNT and
 TORCHELASTIC_MAX_RESTARTS in `restarts()`): `ranks()` answers without importing torch, so the CLI can ask which
@@ -9,7 +10,6 @@ Every collective helper here is entered by every rank; callers never put them be
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import datetime
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from nanopt.errors import ConfigError
-from nanopt.hardware import detect_gpu
+from nanopt.errors import ConfigError, NanoptError
+from nanopt.hardware import detect_gpu, machine_memory_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -204,46 +204,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# ----------------------------------------------------------------------------------------- RNG state as JSON
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(text: str) -> torch.Tensor:
-    import torch
-
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step can touch, JSON-serializable (no pickle in checkpoints)."""
-    import numpy as np
-    import torch
-
-    np_state = np.random.get_state()
-    state = {"python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-             "torch": _b64(torch.get_rng_state()), "cuda": None}
-    if torch.cuda.is_available():
-        state["cuda"] = _b64(torch.cuda.get_rng_state())
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_unb64(state["cuda"]))
-
-
 # --------------------------------------------------------------------------------------------- collectives
 
 
@@ -336,6 +296,30 @@ def device_name(device: Any) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
+
+
+def device_memory_bytes(device: Any) -> int:
+    """The most one process can hold on `device`: a GPU's memory, or this machine's (or its container's limit)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return machine_memory_bytes()
+
+
+def check_memory(needed: int, device: Any, what: str, error: type[NanoptError], hint: str) -> None:
+    """`error`, one line, when `needed` bytes (a lower bound from nanopt.model.memory, the figures `nanopt estimate`
+    prints) exceed all that `device` holds: said before anything is allocated, not as an allocator traceback or the
+    out-of-memory killer's SIGKILL partway through."""
+    available = device_memory_bytes(device)
+    if needed > available:
+        where = (f"the {_gib(available)} of {device_name(device)}" if device.type == "cuda"
+                 else f"this machine's {_gib(available)} of memory")
+        raise error(f"{what} take at least {_gib(needed)}, more than {where}", hint)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 class MemoryProbe:

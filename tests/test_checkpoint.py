@@ -7,31 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainhelp import write_tiny_checkpoint
 
 from nanopt.errors import CheckpointError
 from nanopt.train import checkpoint as ckpt
 
 
 def write(run: Path, step: int) -> Path:
-    weights = {"w": torch.full((64, 64), float(step))}
-    optim = {"state": {"w": {"step": torch.tensor(float(step)), "exp_avg": torch.zeros(64, 64)}},
-             "param_groups": [{"lr": 1e-3, "params": ["w"]}]}
-    return ckpt.write_checkpoint(run, step, weights, optim, full_meta(step))
-
-
-def full_meta(step: int) -> dict:
-    """What nanopt.train.save writes besides the fields write_checkpoint adds."""
-    return {"tokens": step * 10, "world_size": 1, "ranks": [{"loader": {}, "rng": {}}],
-            "config": {"model": {}, "train": {}}}
+    return write_tiny_checkpoint(run, step)
 
 
 def test_write_then_resolve_roundtrip(tmp_path: Path):
     write(tmp_path, 10)
     found = ckpt.resolve(tmp_path, "latest")
     assert found.step == 10 and found.meta["tokens"] == 100
-    assert torch.equal(ckpt.load_model_state(found)["w"], torch.full((64, 64), 10.0))
+    assert torch.equal(ckpt.load_model_state(found)["layers.0.attn.q_proj.weight"], torch.full((8, 8), 10.0))
     optim = ckpt.load_optimizer_state(found)
-    assert optim["state"]["w"]["step"].item() == 10.0 and optim["param_groups"][0]["params"] == ["w"]
+    assert optim["state"]["embed_tokens.weight"]["step"].item() == 10.0
+    assert "embed_tokens.weight" in optim["param_groups"][0]["params"]
     assert ckpt.read_pointer(ckpt.checkpoints_dir(tmp_path), "latest") == "step-000010"
 
 

@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from faulthelp import Launcher, tiny_run, tree_digest
-from test_checkpoint import full_meta
-from trainhelp import HIDE_CUDA, losses, make_run
+from trainhelp import HIDE_CUDA, losses, make_run, write_tiny_checkpoint
 
 from nanopt.rundir import temporary
 from nanopt.train import checkpoint as ckpt
@@ -26,9 +24,7 @@ STOPPED_EARLY = 75
 
 
 def write(run: Path, step: int) -> Path:
-    weights = {"w": torch.full((4, 4), float(step))}
-    optim = {"state": {"w": {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 1e-3, "params": ["w"]}]}
-    return ckpt.write_checkpoint(run, step, weights, optim, full_meta(step))
+    return write_tiny_checkpoint(run, step)
 
 
 def checkpoint_steps(run: Path) -> list[int]:

@@ -160,3 +160,25 @@ def test_a_crafted_shard_index_is_refused_without_running_it(chain: dict, tmp_pa
     with pytest.raises(CheckpointError, match="not a readable shard index"):
         ckpt.load_model_state(ckpt.Checkpoint(copy, json.loads((copy / "meta.json").read_text())))
     assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_is_checked_against_its_snapshot_from_the_index(chain: dict, tmp_path: Path):
+    """The shard index's sizes stand for the weights and the optimizer state, read without loading a shard: a
+    snapshot they do not match, or an index whose table is not one, is refused before anything is allocated."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    copy = Path(shutil.copytree(chain["sessions"][0]["checkpoint"].path, tmp_path / "step-000003"))
+    meta = json.loads((copy / "meta.json").read_text())
+    assert meta["layout"] == "sharded"
+    (copy / "meta.json").write_text(json.dumps({**meta, "config": {**meta["config"], "model": {
+        **meta["config"]["model"], "intermediate_size": 48}}}))
+    with pytest.raises(CheckpointError, match=r"weights do not match its own model config \(layers\.0\.mlp\."):
+        ckpt.verify(copy)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    ckpt.verify(copy)  # the untouched copy reads
+    index = pickle.dumps(Metadata(state_dict_metadata=[1, 2]))
+    (copy / ".metadata").write_bytes(index)
+    meta["files"][".metadata"] = ckpt.sha256(copy / ".metadata")
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="not a table of names"):
+        ckpt.verify(copy)

@@ -80,3 +80,34 @@ def final_weights_hash(run: Path) -> str:
         digest.update(name.encode())
         digest.update(tensor.contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def write_tiny_checkpoint(run: Path, step: int) -> Path:
+    """A real one-process checkpoint of a tiny llama (vocab 16, hidden 8, one layer) at `step`, every weight
+    filled with `step`, written by nanopt.train.checkpoint.write_checkpoint with the fields nanopt.train.save
+    gives it (config snapshot, RNG state, AdamW state and groups), without training: for tests of checkpoint
+    discovery, ordering and damage that need many checkpoints fast."""
+    import torch
+
+    from nanopt.config import ModelConfig, TrainConfig
+    from nanopt.model.transformer import Transformer
+    from nanopt.rng import rng_state
+    from nanopt.train import checkpoint as ckpt
+    from nanopt.train.optim import group_names
+
+    cfg = ModelConfig(architecture="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, max_position_embeddings=8)
+    train = TrainConfig(data="data", micro_batch_size=1, global_batch_tokens=8, max_steps=10**9)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float(step))
+    weights = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+    named = list(model.named_parameters())
+    state = {name: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p)} for name, p in named}
+    groups = [{"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": decay, "params": names}
+              for decay, names in zip((0.1, 0.0), group_names(named, "adamw"), strict=True)]
+    meta = {"tokens": step * 10, "world_size": 1, "ranks": [{"loader": {}, "rng": rng_state()}],
+            "tied": {"lm_head.weight": "embed_tokens.weight"},
+            "config": {"model": cfg.to_dict(), "train": train.to_dict()}}
+    return ckpt.write_checkpoint(run, step, weights, {"state": state, "param_groups": groups}, meta)

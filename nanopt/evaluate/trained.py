@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from nanopt.config import RunConfig, TrainConfig, model_config_from_snapshot
+from nanopt.config import RunConfig, train_config_from_snapshot
 from nanopt.data.dataset import TokenDataset, check_compatible, open_run_dataset
 from nanopt.data.output import is_dataset
 from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
-from nanopt.parsing import from_dict, path_kind
+from nanopt.parsing import path_kind
 from nanopt.shown import shell_word
-from nanopt.train.checkpoint import Checkpoint, latest, load_weights, resolve
+from nanopt.train.checkpoint import Checkpoint, check_fits, latest, load_weights, resolve
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 
@@ -157,13 +157,14 @@ def check_run_directory(run_dir: Path) -> None:
 
 
 def run_config_from_snapshot(run_dir: Path, ckpt: Checkpoint) -> RunConfig:
-    """The configuration the checkpoint was trained with: model.json may have been edited since."""
-    snapshot = ckpt.meta.get("config")
-    if not isinstance(snapshot, dict) or not {"model", "train"} <= set(snapshot):
-        raise CheckpointError(f"{ckpt.path / 'meta.json'}: no config snapshot", "use a checkpoint written by "
-                              "`nanopt train`")
-    model = model_config_from_snapshot(snapshot["model"])
-    train = from_dict(TrainConfig, snapshot["train"], "checkpoint meta.json train config")
+    """The configuration the checkpoint was trained with (model.json may have been edited since), validated as
+    model.json and train.json are (the model's when the checkpoint was verified)."""
+    model = ckpt.model
+    try:
+        train = train_config_from_snapshot(ckpt.meta["config"]["train"], model, "config.train")
+    except ConfigError as exc:
+        raise CheckpointError(f"{ckpt.path / 'meta.json'}: {exc.message} (a damaged or foreign checkpoint)",
+                              "use another checkpoint") from None
     return RunConfig(run_dir=run_dir, model=model, train=train)
 
 
@@ -223,9 +224,11 @@ def _another_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset, 
 def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
     """Transformer(config snapshot) with the checkpoint's weights, strictly, in eval mode on `device`.
 
-    Built directly on the device: its random init is fast on a GPU and tiny for a CPU-sized model, and costs less
-    than building on the meta device, whose first use in a process takes over a second.
+    The names and shapes were compared on the meta device when the checkpoint was verified; the weights must fit
+    the device (CheckpointError, one line, before anything is allocated). Built directly on the device: its random
+    init is fast on a GPU and tiny for a CPU-sized model.
     """
+    check_fits(trained.checkpoint, device)
     with torch.device(device):
         model = Transformer(trained.run.model)
     load_weights(model, trained.checkpoint)  # tensor by tensor, either layout: one copy of the weights in memory

@@ -35,7 +35,7 @@ from nanopt.config import ModelConfig
 from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.files import copy_file, new_dir, remove_tree, write_file
-from nanopt.model.transformer import Transformer
+from nanopt.model.layout import TensorSpec, few, mismatch, tensor_specs
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint import save_tensors
 
@@ -211,32 +211,19 @@ def _gpt2_weights(cfg: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tenso
 
 
 def _check_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor]) -> None:
-    """The weights must be exactly those of Transformer(cfg): same names, same shapes."""
-    with torch.device("meta"):
-        expected = {key: tuple(value.shape) for key, value in Transformer(cfg).state_dict().items()}
+    """The weights must be exactly those of Transformer(cfg): same names, same shapes (any float dtype: they are
+    written as fp32)."""
+    expected = {key: TensorSpec(spec.shape) for key, spec in tensor_specs(cfg).items()}
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = sorted(set(expected) - set(state_dict) - optional)
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong_shape = sorted(key for key in set(expected) & set(state_dict)
-                         if tuple(state_dict[key].shape) != expected[key])
     hint = "export with the model.json the checkpoint was trained with"
-    if missing or unexpected:
-        raise CheckpointError(f"weights do not match model.json: missing {_few(missing)}, unexpected "
-                              f"{_few(unexpected)}", hint)
-    if wrong_shape:
-        key = wrong_shape[0]
-        raise CheckpointError(f"weights do not match model.json: {key} has shape {tuple(state_dict[key].shape)}, "
-                              f"expected {expected[key]}", hint)
+    problem = mismatch(expected, {key: TensorSpec(tuple(value.shape)) for key, value in state_dict.items()},
+                       optional)
+    if problem:
+        raise CheckpointError(f"weights do not match model.json: {problem}", hint)
     if optional and "lm_head.weight" in state_dict and not torch.equal(state_dict["lm_head.weight"],
                                                                        state_dict["embed_tokens.weight"]):
         raise CheckpointError("model.json ties the embeddings but lm_head.weight differs from embed_tokens.weight",
                               hint)
-
-
-def _few(keys: list[str]) -> str:
-    if not keys:
-        return "none"
-    return ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
 
 
 def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
@@ -343,7 +330,7 @@ def _why_not_an_export(path: Path) -> str:
     foreign = sorted(e.name for e in path.iterdir()
                      if e.name not in EXPORT_FILES or not e.is_file() or e.is_symlink())
     if foreign:
-        return f"it holds {_few(foreign)}, which nanopt does not write"
+        return f"it holds {few(foreign)}, which nanopt does not write"
     return "config.json or model.safetensors is missing"
 
 

@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from nanopt.config import ModelConfig
 from nanopt.errors import CheckpointError, NanoptError
 from nanopt.files import (
     check_dir,
@@ -45,9 +46,14 @@ from nanopt.files import (
     replace_file,
     write_file,
 )
+from nanopt.model.flops import count_params
+from nanopt.model.memory import states_only
 from nanopt.rundir import STEP_NAME, RunDir, step_dir_name
+from nanopt.runtime import check_memory
 from nanopt.shown import shell_word
 from nanopt.train import sharded
+from nanopt.train.contents import check_contents, snapshot_model
+from nanopt.train.meta_fields import Bad, check_resume_fields
 
 FORMAT_VERSION = 1
 FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
@@ -73,6 +79,11 @@ class Checkpoint:
         """The tokenizer.json this checkpoint carries (verified with the other files), or None for a checkpoint
         written before checkpoints carried one."""
         return self.path / TOKENIZER_FILE if TOKENIZER_FILE in self.meta["files"] else None
+
+    @property
+    def model(self) -> ModelConfig:
+        """The model its config snapshot describes, validated as model.json is."""
+        return snapshot_model(self.meta, _bad(self.path / "meta.json"))
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -311,9 +322,9 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 
 def verify(path: Path) -> Checkpoint:
-    """Open a checkpoint: meta.json well-formed, every file present, matching its checksum and readable (as
-    safetensors, or as a shard index that names only files the checkpoint holds). CheckpointError says what is
-    wrong."""
+    """Open a checkpoint: meta.json well-formed and in range, every file present and matching its checksum, the
+    shard index naming only files the checkpoint holds, and the stored tensors exactly those of its config
+    snapshot's model (nanopt.train.contents). CheckpointError says what is wrong."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
@@ -329,10 +340,11 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointError(f"{path}: {name} is missing", "use another checkpoint")
         if sha256(file) != expected:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)", "use another checkpoint")
-        if name.endswith(".safetensors"):  # the tokenizer is parsed by whoever uses it (nanopt.evaluate.trained)
-            _check_safetensors(file)
     if meta.get("layout") == SHARDED:
         sharded.check_complete(path, list(meta["files"]))
+    # The safetensors headers or the shard index against the config snapshot (the tokenizer is parsed by whoever
+    # uses it: nanopt.evaluate.trained): names, shapes and groups, before anything is allocated.
+    check_contents(path, meta, _bad(meta_path))
     return Checkpoint(path=path, meta=meta)
 
 
@@ -345,11 +357,16 @@ _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "m
              "layout": str}
 
 
-def check_meta(meta_path: Path, meta: Any) -> None:
-    """CheckpointError unless meta.json has every field nanopt reads, each of the right type."""
+def _bad(meta_path: Path) -> Bad:
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{meta_path}: {what} (a damaged or foreign checkpoint)", "use another checkpoint")
+    return bad
 
+
+def check_meta(meta_path: Path, meta: Any) -> None:
+    """CheckpointError unless meta.json has every field nanopt reads, each of the right type and in range
+    (nanopt.train.meta_fields)."""
+    bad = _bad(meta_path)
     if not isinstance(meta, dict):
         raise bad(f"holds a JSON {type(meta).__name__}, not an object")
     for key, kind in {**_REQUIRED, **_OPTIONAL}.items():
@@ -358,8 +375,9 @@ def check_meta(meta_path: Path, meta: Any) -> None:
                 raise bad(f"has no '{key}'")
         elif not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
             raise bad(f"'{key}' is {type(meta[key]).__name__} {str(meta[key])[:40]!r}")
-    if meta["step"] < 0 or meta["tokens"] < 0 or meta["world_size"] < 1:
-        raise bad("step, tokens or world_size out of range")
+    if meta["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: written in checkpoint format {meta['format_version']}, newer than this "
+                              f"nanopt's {FORMAT_VERSION}", "upgrade nanopt, or use another checkpoint")
     _check_files(meta, bad)
     if TOKENIZER_FILE in meta["files"] and (meta.get("tokenizer_sha256") != meta["files"][TOKENIZER_FILE]
                                             or "eos_id" not in meta):
@@ -369,6 +387,7 @@ def check_meta(meta_path: Path, meta: Any) -> None:
         raise bad("'ranks' must list each rank's loader and RNG state")
     if not all(isinstance(meta["config"].get(part), dict) for part in ("model", "train")):
         raise bad("'config' must hold the model and train settings")
+    check_resume_fields(meta, bad)
 
 
 def _check_files(meta: dict[str, Any], bad: Any) -> None:
@@ -384,15 +403,6 @@ def _check_files(meta: dict[str, Any], bad: Any) -> None:
         raise bad(f"'layout' is {layout[:20]!r}, not {FULL!r} or {SHARDED!r}")
     if not ok or not all(isinstance(v, str) for v in files.values()):
         raise bad(f"'files' must name {expected} (and may name {TOKENIZER_FILE}) with their sha256")
-
-
-def _check_safetensors(file: Path) -> None:
-    try:
-        with safe_open(str(file), framework="pt") as opened:
-            opened.keys()
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc)[:120]})",
-                              "use another checkpoint") from None
 
 
 def newest_valid(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
@@ -475,7 +485,9 @@ def _named(root: Path, name: str) -> Path:
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """The whole model's weights on the CPU, as the model's state_dict names them (tied aliases restored); a sharded
-    checkpoint is consolidated here, tensor by tensor, into one copy of the weights."""
+    checkpoint is consolidated here, tensor by tensor, into one copy of the weights. CheckpointError, before any
+    is read, when they cannot fit this machine's memory."""
+    check_fits(ckpt, torch.device("cpu"))
     state = (load_file(str(ckpt.path / "model.safetensors")) if ckpt.layout == FULL
              else sharded.read_model_state(ckpt.path))
     for alias, source in ckpt.meta.get("tied", {}).items():
@@ -483,30 +495,26 @@ def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_fits(ckpt: Checkpoint, device: torch.device) -> None:
+    """CheckpointError, one line, when the model's fp32 weights alone (nanopt.model.memory's figure) exceed what
+    `device` holds: a checkpoint is read in full, whatever machine it is opened on."""
+    params = count_params(ckpt.model).total
+    check_memory(states_only(params).weights, device, f"{ckpt.path}: its model's weights ({params:,} parameters)",
+                 CheckpointError, "open it on a machine with more memory (or a GPU with more memory)")
+
+
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
-    """Copy the checkpoint's weights into `model` (one process, any layout), tensor by tensor: memory stays at the
-    model plus one tensor, not twice the model. CheckpointError when names or shapes differ from the model's."""
+    """Copy the checkpoint's weights into `model`, Transformer(ckpt.model) (one process, any layout), tensor by
+    tensor: memory stays at the model plus one tensor, not twice the model. Names and shapes were compared with
+    the model's when the checkpoint was verified (nanopt.train.contents)."""
     aliases = ckpt.meta.get("tied", {})
     if ckpt.layout == SHARDED:
         sharded.load_model_weights(model, ckpt.path, aliases)
         return
     target = {key: value for key, value in model.state_dict().items() if key not in aliases}
-    with safe_open(str(ckpt.path / "model.safetensors"), framework="pt") as stored:
-        names = set(stored.keys())
-        if names != set(target):
-            raise _mismatch(ckpt, f"missing {sorted(set(target) - names)[:3]}, unexpected "
-                                  f"{sorted(names - set(target))[:3]}")
-        with torch.no_grad():
-            for key, tensor in target.items():
-                value = stored.get_tensor(key)
-                if value.shape != tensor.shape:
-                    raise _mismatch(ckpt, f"{key} is {tuple(value.shape)}, the model's {tuple(tensor.shape)}")
-                tensor.copy_(value)
-
-
-def _mismatch(ckpt: Checkpoint, what: str) -> CheckpointError:
-    return CheckpointError(f"{ckpt.path}: weights do not match its own model config ({what})",
-                           "use another checkpoint")
+    with safe_open(str(ckpt.path / "model.safetensors"), framework="pt") as stored, torch.no_grad():
+        for key, tensor in target.items():
+            tensor.copy_(stored.get_tensor(key))
 
 
 def load_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:

@@ -39,9 +39,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings (dim >= 2); never biases or normalization gains (dim < 2)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if decays(p)]
+    no_decay = [p for p in params if not decays(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def decays(param: torch.Tensor) -> bool:
+    return param.dim() >= 2
+
+
+def group_names(named: list[tuple[str, torch.Tensor]], optimizer: str) -> list[list[str]]:
+    """The parameter names in each param group `build_optimizer` makes from `named`, in its order (AdamW's decay
+    and no-decay groups, then Muon's hidden matrices): what a checkpoint's optimizer_param_groups must list."""
+    matrices = [name for name, p in named if optimizer == "muon" and is_hidden_matrix(name, p)]
+    rest = [(name, p) for name, p in named if name not in set(matrices)]
+    adamw = [[name for name, p in rest if decays(p)], [name for name, p in rest if not decays(p)]]
+    return adamw + ([matrices] if optimizer == "muon" else [])
 
 
 def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.checkpoint import checkpoint
 
 from nanopt.config import TrainConfig
+from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 
@@ -159,19 +160,6 @@ def load_full_model_state(prepared: Prepared, state: dict[str, torch.Tensor]) ->
 def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
                               state: dict[str, Any]) -> None:
     set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state, options=FULL)
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: name} for each parameter registered under a second name (tied input and output embeddings): a
-    checkpoint stores it once."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
 
 
 def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW) -> dict[str, Any]:

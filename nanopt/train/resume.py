@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from nanopt.config import ModelConfig, RunConfig, TrainConfig
-from nanopt.errors import ResumeError
+from nanopt.errors import CheckpointError, ResumeError
 from nanopt.files import make_dir
 from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
@@ -158,6 +158,10 @@ def _restore_spike_history(s: Session, step: int) -> None:
 def _find_checkpoint(s: Session) -> ckpt.Checkpoint | None:
     if s.opts.resume == "auto":
         found, skipped = ckpt.latest(s.run.run_dir)
+        if found is None and skipped:  # checkpoints are there, none usable: never start over on top of them
+            raise CheckpointError(f"{s.run.run_dir}: no usable checkpoint: {skipped[0]}",
+                                  "move the damaged checkpoints aside and train again, or start over with "
+                                  "--resume none (which moves them to previous/)")
         for note in skipped:
             s.observer.note(f"skipping a damaged checkpoint: {note}")
         return found

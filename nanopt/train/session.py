@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from nanopt.config import RunConfig
-from nanopt.model.flops import flops_per_token
+from nanopt.errors import ConfigError
+from nanopt.model.flops import count_params, flops_per_token
+from nanopt.model.memory import estimate_memory
 from nanopt.rundir import RunDir
-from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, device_price, seed_everything
+from nanopt.runtime import MemoryProbe, Runtime, check_memory, device_peak_flops, device_price, seed_everything
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
@@ -93,6 +95,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         check_sink_packages(run)  # a missing tensorboard / wandb package is refused before any costly work
     memory = MemoryProbe(rt.device)  # before the model: it measures the CUDA context
     accum = run.grad_accum_steps(rt.world_size)
+    check_model_fits(run, rt)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_dataset(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
@@ -120,3 +123,21 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
         memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold),
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
+
+
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW"}
+
+
+def check_model_fits(run: RunConfig, rt: Runtime) -> None:
+    """ConfigError, one line, when the model's fp32 weights, gradients and optimizer state alone (per rank, as
+    `nanopt estimate` counts them) exceed this rank's device: each model.json dimension is bounded, their product
+    is not, and a model of terabytes would otherwise fail in the allocator at the first tensor."""
+    states = estimate_memory(run.model, run.seq_len, precision=rt.precision, compiled=False,
+                             activation_checkpointing=run.train.activation_checkpointing,
+                             parallelism=run.train.parallelism, world_size=rt.world_size,
+                             optimizer=run.train.optimizer, cuda=rt.device.type == "cuda")
+    what = (f"{RunDir(run.run_dir).model_json}: the model's weights, gradients and "
+            f"{OPTIMIZER_NAMES[run.train.optimizer]} state ({count_params(run.model).total:,} parameters)")
+    check_memory(states.weights + states.gradients + states.optimizer, rt.device, what, ConfigError,
+                 "make the model smaller, or shard it over more GPUs with \"parallelism\": \"fsdp\" (`nanopt "
+                 "estimate RUN` shows the memory per GPU)")

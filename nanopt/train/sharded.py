@@ -127,16 +127,9 @@ def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
 
 def load_model_weights(model: torch.nn.Module, directory: Path, aliases: dict[str, str]) -> None:
     """Read the model part of a sharded checkpoint into `model`'s own parameters and buffers, tensor by tensor
-    (memory: the model once, plus DCP's read buffers). `aliases` are tied names that are stored once."""
+    (memory: the model once, plus DCP's read buffers). `aliases` are tied names that are stored once. Names and
+    shapes were compared with the model's when the checkpoint was verified (nanopt.train.contents)."""
     target = {key: value for key, value in model.state_dict().items() if key not in aliases}
-    stored = _model_entries(directory)
-    problems = [f"missing {sorted(set(target) - set(stored))[:3]}" if set(target) - set(stored) else "",
-                f"unexpected {sorted(set(stored) - set(target))[:3]}" if set(stored) - set(target) else ""]
-    problems += [f"{key} is {tuple(stored[key].size)}, the model's {tuple(t.shape)}" for key, t in target.items()
-                 if key in stored and tuple(stored[key].size) != tuple(t.shape)]
-    if any(problems):
-        raise CheckpointError(f"{directory}: weights do not match its own model config "
-                              f"({'; '.join(p for p in problems if p)})", "use another checkpoint")
     with torch.no_grad():
         load({"model": target}, directory)
 
@@ -151,6 +144,28 @@ def check_complete(directory: Path, files: list[str]) -> None:
         raise CheckpointError(f"{directory}: the shard index names {absent[:3]}, which the checkpoint does not hold "
                               "(multi-node runs need the run directory on a filesystem every node sees)",
                               "use another checkpoint")
+
+
+def stored_specs(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype name)} of every entry in the index, read without loading a shard; an entry stored as an
+    object, not a tensor, has the dtype "object"."""
+    entries = getattr(_index(directory), "state_dict_metadata", None)
+    if not (isinstance(entries, dict) and all(isinstance(key, str) for key in entries)):
+        raise CheckpointError(f"{directory / METADATA_FILE}: its entries are not a table of names (not written by "
+                              "nanopt)", "use another checkpoint")
+    return {key: _spec(meta) for key, meta in entries.items()}
+
+
+def _spec(meta: Any) -> tuple[tuple[int, ...], str]:
+    """An index entry's shape and dtype; the fields of a crafted entry can hold any plain value, so each is
+    checked before it is believed."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(meta, TensorStorageMetadata):
+        size, dtype = getattr(meta, "size", None), getattr(getattr(meta, "properties", None), "dtype", None)
+        if isinstance(size, torch.Size) and isinstance(dtype, torch.dtype):
+            return tuple(size), str(dtype).removeprefix("torch.")
+    return (), "object"
 
 
 def _model_entries(directory: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from nanopt.runtime import rng_state, set_rng_state
+from nanopt.rng import rng_state, set_rng_state
 
 
 @dataclass
