@@ -108,9 +108,9 @@ def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progres
 
 
 def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progress) -> dict[str, Any]:
-    if opts.loss:  # eval.json goes into the run: a link where it writes is refused first, on every rank alike
+    trained = open_trained(run_dir, opts.checkpoint, opts.data, for_loss=opts.loss)  # reads only; checks the path
+    if opts.loss:  # eval.json goes into the run: a link where it writes is refused before any work, on every rank
         check_run_dir(run_dir)
-    trained = open_trained(run_dir, opts.checkpoint, opts.data, for_loss=opts.loss)
     if opts.samples:  # a prompt that cannot be continued fails now, before the evaluation
         check_prompts_fit(trained.tokenizer(), opts.samples, trained.run.model.max_position_embeddings)
     if not opts.loss:
