@@ -202,3 +202,25 @@ def test_train_refuses_a_model_json_larger_than_the_machine_with_the_estimate(tm
     assert_user_error(child, "model.json: the model's weights, gradients and AdamW state",
                       "13,194,410,603,839,488 parameters", "take at least", "GiB", "more than this machine's")
     assert tree_digest(run) == before
+
+
+# ------------------------------------------------------------------------- meta.json that is not one nanopt wrote
+
+UNPARSEABLE = {"nested_100000_deep": "[" * 100_000 + "]" * 100_000, "a_5000_digit_step": '{"step": ' + "9" * 5000 + "}",
+               "not_utf8": b"\xff\xfe{}"}
+
+
+@pytest.mark.parametrize("content", list(UNPARSEABLE))
+def test_a_meta_json_no_parser_should_trust_is_one_line_and_train_falls_back(trained: Path, tmp_path: Path,
+                                                                            content: str, launcher: Launcher):
+    """Read as every file from a stranger is (bounded, no recursion): eval and export of that checkpoint are one
+    line, train skips it with a note, and retention never takes it for a checkpoint of its step."""
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    data = UNPARSEABLE[content]
+    (run / "checkpoints" / NEWEST / "meta.json").write_bytes(data if isinstance(data, bytes) else data.encode())
+    for command in (("eval", run, "--no-loss", "--checkpoint", NEWEST),
+                    ("export", run, "--checkpoint", NEWEST, "--out", tmp_path / "hf")):
+        child = launcher.run(*command)
+        assert child.status == 2 and "Traceback" not in child.stderr, child.stderr[-2000:]
+        assert f"{NEWEST}/meta.json" in child.stderr
+    assert_falls_back(launcher, run)

@@ -48,6 +48,7 @@ from nanopt.files import (
 )
 from nanopt.model.flops import count_params
 from nanopt.model.memory import states_only
+from nanopt.parsing import read_capped, read_json
 from nanopt.rundir import STEP_NAME, RunDir, step_dir_name
 from nanopt.runtime import check_memory
 from nanopt.shown import shell_word
@@ -57,6 +58,7 @@ from nanopt.train.meta_fields import Bad, check_resume_fields
 
 FORMAT_VERSION = 1
 FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
+POINTER_MAX_BYTES = 4096  # `latest` and `best` name a step directory: a few dozen bytes
 _FILES = ("model.safetensors", "optimizer.safetensors")  # in every full checkpoint
 TOKENIZER_FILE = "tokenizer.json"  # in those written since checkpoints carry their tokenizer
 
@@ -223,9 +225,11 @@ def write_pointer(root: Path, name: str, target: str) -> None:
 def read_pointer(root: Path, name: str) -> str | None:
     """The step directory a pointer names, or None when there is no pointer (or it cannot be read)."""
     path = root / name
-    try:
-        return path.read_text(encoding="utf-8").strip() or None if path.is_file() else None
-    except (OSError, UnicodeDecodeError):
+    if not path.is_file():
+        return None
+    try:  # a step name: a stranger's pointer may be a huge file, or swapped for a pipe; neither is read whole
+        return read_capped(path, POINTER_MAX_BYTES, CheckpointError, "").decode("utf-8").strip() or None
+    except (NanoptError, UnicodeDecodeError):
         return None
 
 
@@ -287,8 +291,8 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
 def _named_after_its_step(path: Path) -> bool:
     """Whether `path` is named step_dir_name(the step its meta.json records); unreadable or foreign: False."""
     try:
-        step = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("step")
-    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
+        step = _read_meta(path / "meta.json").get("step")
+    except (NanoptError, AttributeError):  # AttributeError: JSON that is not an object
         return False
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and path.name == step_dir_name(step)
 
@@ -321,6 +325,13 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------ reading
 
 
+def _read_meta(path: Path) -> Any:
+    """A checkpoint's meta.json, read as any file from a stranger is (nanopt.parsing.read_json: bounded, never
+    blocking, no traceback for a runaway nesting or a 5,000-digit number); CheckpointError otherwise."""
+    return read_json(path, error=CheckpointError, hint="use another checkpoint",
+                     contents_hint="use another checkpoint (this meta.json is not one nanopt wrote)")
+
+
 def verify(path: Path) -> Checkpoint:
     """Open a checkpoint: meta.json well-formed and in range, every file present and matching its checksum, the
     shard index naming only files the checkpoint holds, and the stored tensors exactly those of its config
@@ -329,10 +340,7 @@ def verify(path: Path) -> Checkpoint:
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
                               "use another checkpoint, or --resume none to start over")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # ValueError: bad JSON, bad UTF-8, a number too large
-        raise CheckpointError(f"{meta_path}: corrupt JSON", "use another checkpoint") from None
+    meta = _read_meta(meta_path)
     check_meta(meta_path, meta)
     for name, expected in meta["files"].items():
         file = path / name
