@@ -18,12 +18,14 @@ HOST_TORCH := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 # in find-links (development machines have one) would win, as torch 2.13.0+cpu sorts above 2.13.0 and matches.
 PIP_PYPI := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS=
 
-.PHONY: install check-gpu-torch demo test lint bench clean-demo help
+.PHONY: install check-gpu-torch demo test test-slow test-deep lint bench clean-demo help
 
 help:
 	@echo "make install   create .venv with nanopt, torch (CPU or CUDA build) and the dev tools"
 	@echo "make demo      tokenize the built-in corpus, train runs/demo on the CPU, evaluate it"
-	@echo "make test      run the test suite (CPU; GPU tests skip without CUDA)"
+	@echo "make test      run the test suite, the tests marked slow left out (CPU; GPU tests skip without CUDA)"
+	@echo "make test-slow the tests marked slow: kill loops, many-rank ladders, the GPU session's smoke run"
+	@echo "make test-deep the fuzz and property tests of files from strangers, 300 examples each"
 	@echo "make lint      ruff, and the import contract (.importlinter: each layer imports only from below)"
 	@echo "make bench     the benchmark scripts in bench/"
 
@@ -77,7 +79,15 @@ demo: install
 # Two workers (pytest-xdist), so the suite keeps both cores busy; each is given whole files, so a file's module
 # fixtures (trained runs) are built once and its tests keep their order. A plain `pytest` stays one process.
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
+
+# CI runs these two after `make test` and `make lint` (.ci/run); each is also worth a run before a release.
+test-slow: install
+	$(PY) -m pytest -n 2 --dist loadfile -m slow
+
+FUZZ_TESTS := tests/test_fuzz_run_files.py tests/test_untrusted_data.py tests/test_checkpoint_meta_properties.py
+test-deep: install
+	NANOPT_FUZZ_EXAMPLES=300 $(PY) -m pytest -n 2 --dist loadfile $(FUZZ_TESTS)
 
 lint: install
 	$(PY) -m ruff check nanopt tests bench

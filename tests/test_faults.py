@@ -128,6 +128,7 @@ def _steps_this_session(run: Path, inode_before: int | None, resume_at: int) -> 
     return [step for step in steps_logged(run) if step > resume_at]
 
 
+@pytest.mark.slow  # a kill loop: 24 kills and resumes (CI's slow stage)
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path: Path, reference: Path,
                                                                            launcher: Launcher):
     run = copy_run(reference, tmp_path)

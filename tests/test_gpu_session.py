@@ -22,6 +22,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpusession.plan import PLANS, STEPS  # noqa: E402
 from gpusession.records import REQUIRED_KEYS  # noqa: E402
 
+# The whole session's smoke run (every step, ~30 s): CI's slow stage runs it on every change.
+pytestmark = pytest.mark.slow
+
 COMMIT = "c0ffee1"
 WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", "memory:llama-1b",
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",

@@ -22,6 +22,9 @@ from trainhelp import HIDE_CUDA, losses, make_run
 from nanopt.errors import CheckpointError
 from nanopt.train import checkpoint as ckpt
 
+# The 4 -> 2 -> 1 -> 4 ranks ladder every test here reads (~30 s to build): CI's slow stage.
+pytestmark = pytest.mark.slow
+
 RECORDER = """
 import os
 if os.environ.get("SAMPLE_LOG"):
