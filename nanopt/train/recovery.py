@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from nanopt.errors import CheckpointError
 from nanopt.runtime import broadcast_object
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
@@ -162,7 +163,7 @@ def _checkpoint_before(s: Session, step_limit: int) -> ckpt.Checkpoint | None:
 def _verified(path: Path) -> Any:
     try:
         return ckpt.verify_discovered(path)
-    except ckpt.CheckpointError:
+    except CheckpointError:
         return None
 
 

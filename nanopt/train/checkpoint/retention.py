@@ -1,0 +1,45 @@
+"""Retention: all but the newest `keep_checkpoints` deleted, never the newest, never the one `best` names, and
+only directories nanopt wrote (named after the step their meta.json records); and the clean-up of the `.tmp-*`
+directories a killed process left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanopt.errors import NanoptError
+from nanopt.files import remove_tree
+from nanopt.rundir import step_dir_name
+from nanopt.train.checkpoint.meta import checkpoints_dir, read_meta, read_pointer
+from nanopt.train.checkpoint.read import complete_checkpoints
+from nanopt.train.checkpoint.write import remove_step_dir
+
+
+def apply_retention(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; never the newest, never the one `best` names. Only directories
+    nanopt wrote count, named after the step their meta.json records: a foreign or renamed one is never deleted and
+    takes no slot (else it would keep one of the `keep` real checkpoints from being kept)."""
+    root = checkpoints_dir(run_dir)
+    protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
+    complete = [p for p in complete_checkpoints(run_dir) if _named_after_its_step(p)]
+    doomed = [p for p in complete[:-max(1, keep)] if p.name not in protected]
+    for path in doomed:
+        remove_step_dir(path)
+    return doomed
+
+
+def _named_after_its_step(path: Path) -> bool:
+    """Whether `path` is named step_dir_name(the step its meta.json records); unreadable or foreign: False."""
+    try:
+        step = read_meta(path / "meta.json").get("step")
+    except (NanoptError, AttributeError):  # AttributeError: JSON that is not an object
+        return False
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and path.name == step_dir_name(step)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Half-written `.tmp-*` directories left by a killed process are never read; delete them (only real
+    directories inside the run's own checkpoints/: nanopt.files.remove_tree)."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir() and not root.is_symlink():
+        for path in root.glob(".tmp-*"):
+            remove_tree(path, inside=root, quiet=True)
