@@ -35,6 +35,7 @@ from nanopt.config import ModelConfig
 from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.files import copy_file, new_dir, remove_tree, write_file
+from nanopt.model.hf_names import hf_tensors
 from nanopt.model.layout import TensorSpec, few, mismatch, tensor_specs
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint import save_tensors
@@ -162,7 +163,8 @@ def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor], vocab_size
     vocab_size below the model's keeps only the first vocab_size rows of the embedding and the head: a vocabulary
     padded for aligned GEMMs (GPT-2's 50257 tokens in a 50304-row model) has rows that no token id reaches, and
     transformers sizes its vocabulary (generation, resize_token_embeddings) by the weights. The logits of the real
-    tokens are unchanged; the padded rows, which training only ever pushed down, leave the softmax.
+    tokens are unchanged; the padded rows, which training only ever pushed down, leave the softmax. The names and
+    layouts are nanopt.model.hf_names'.
     """
     _check_state_dict(cfg, state_dict)
     state = {key: value.detach().to(device="cpu", dtype=torch.float32) for key, value in state_dict.items()}
@@ -170,44 +172,11 @@ def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor], vocab_size
         for key in ("embed_tokens.weight", "lm_head.weight"):
             if key in state:
                 state[key] = state[key][:vocab_size]
-    convert = _llama_weights if cfg.architecture == "llama" else _gpt2_weights
-    hf_state = convert(cfg, state)
-    if not cfg.tie_word_embeddings:
-        hf_state["lm_head.weight"] = state["lm_head.weight"]
+    hf_state = {}
+    for entry in hf_tensors(cfg):
+        value = torch.cat([state[name] for name in entry.ours], dim=0) if len(entry.ours) > 1 else state[entry.ours[0]]
+        hf_state[entry.name] = value.T if entry.transposed else value
     return {key: value.contiguous() for key, value in hf_state.items()}
-
-
-def _llama_weights(cfg: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    renames = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn": "self_attn"}
-    hf_state = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
-    for key, value in state.items():
-        if key.startswith("layers."):
-            _, index, module, rest = key.split(".", 3)
-            hf_state[f"model.layers.{index}.{renames.get(module, module)}.{rest}"] = value
-    return hf_state
-
-
-def _gpt2_weights(cfg: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    hf_state = {
-        "transformer.wte.weight": state["embed_tokens.weight"],
-        "transformer.wpe.weight": state["embed_positions.weight"],
-        "transformer.ln_f.weight": state["norm.weight"],
-        "transformer.ln_f.bias": state["norm.bias"],
-    }
-    for i in range(cfg.num_hidden_layers):
-        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-        for kind in ("weight", "bias"):
-            hf_state[f"{theirs}ln_1.{kind}"] = state[f"{ours}attn_norm.{kind}"]
-            hf_state[f"{theirs}ln_2.{kind}"] = state[f"{ours}mlp_norm.{kind}"]
-        # Conv1D computes x @ W + b with W [in, out]: transpose each nn.Linear weight; biases are unchanged.
-        qkv = [f"{ours}attn.{p}_proj" for p in ("q", "k", "v")]
-        hf_state[f"{theirs}attn.c_attn.weight"] = torch.cat([state[f"{p}.weight"] for p in qkv], dim=0).T
-        hf_state[f"{theirs}attn.c_attn.bias"] = torch.cat([state[f"{p}.bias"] for p in qkv], dim=0)
-        for hf_name, our_name in (("attn.c_proj", "attn.o_proj"), ("mlp.c_fc", "mlp.up_proj"),
-                                  ("mlp.c_proj", "mlp.down_proj")):
-            hf_state[f"{theirs}{hf_name}.weight"] = state[f"{ours}{our_name}.weight"].T
-            hf_state[f"{theirs}{hf_name}.bias"] = state[f"{ours}{our_name}.bias"]
-    return hf_state
 
 
 def _check_state_dict(cfg: ModelConfig, state_dict: dict[str, Tensor]) -> None:
