@@ -2,7 +2,7 @@
 
 import importlib
 
-LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "preflight", "train", "eval", "export")
+LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "preflight", "train", "eval", "export", "importer")
 
 for _module in LIFECYCLE:
     importlib.import_module(f"nanopt.cli.{_module}")

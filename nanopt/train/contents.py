@@ -53,6 +53,8 @@ def check_contents(path: Path, meta: dict[str, Any], bad: Bad) -> ModelConfig:
     problem = mismatch({k: v for k, v in tensor_specs(model).items() if k not in aliases}, weights)
     if problem:
         raise _mismatch(path, problem)
+    if meta.get("weights_only") is True:  # no optimizer: training starts a fresh one
+        return model
     params = parameter_specs(model)
     problem = _optimizer_state_problem(state, params)
     if problem:
@@ -77,6 +79,8 @@ def _stored(path: Path, meta: dict[str, Any]) -> tuple[dict[str, TensorSpec], di
     """The weights and the optimizer state the checkpoint holds, as {name: spec} read from headers only; optimizer
     state is named "<parameter>/<state>" in both layouts."""
     if meta.get("layout", "full") == "full":
+        if meta.get("weights_only") is True:
+            return _header(path / "model.safetensors"), {}
         return _header(path / "model.safetensors"), _header(path / "optimizer.safetensors")
     weights, state = {}, {}
     for key, (shape, dtype) in sharded.stored_specs(path).items():

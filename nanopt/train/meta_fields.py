@@ -66,6 +66,20 @@ def check_resume_fields(meta: dict[str, Any], bad: Bad) -> None:
         _check_group(group, f"optimizer_param_groups[{index}]", bad)
 
 
+def check_weights_only_fields(meta: dict[str, Any], bad: Bad) -> None:
+    """A weights-only checkpoint (`nanopt import`'s): step 0, no tokens seen, no training session's fields."""
+    for key in ("step", "tokens"):
+        if meta[key] != 0:
+            raise bad(f"is weights-only and its '{key}' is {show_value(meta[key])}, not 0")
+    for key in ("format_version", "eos_id"):
+        if key in meta and not is_int(meta[key]):
+            raise bad(f"'{key}' is {show_value(meta[key])}, not an integer from 0 to 2**63 - 1")
+    imported = meta.get("imported_from")
+    if imported is not None and not all(isinstance(v, (str, type(None))) and len(v or "") <= 4096
+                                        for v in imported.values()):
+        raise bad("'imported_from' holds something other than short strings")
+
+
 def _check_counters(meta: dict[str, Any], bad: Bad) -> None:
     for key in ("format_version", "step", "tokens", "world_size", "skipped_steps", "eos_id"):
         if key in meta and not is_int(meta[key]):

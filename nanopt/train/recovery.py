@@ -153,7 +153,10 @@ def _checkpoint_before(s: Session, step_limit: int) -> ckpt.Checkpoint | None:
     chosen = None
     if s.rt.is_main:
         for step, path in reversed(ckpt.step_dirs(s.run.run_dir)):
-            if step < step_limit and _verified(path) is not None:
+            found = _verified(path) if step < step_limit else None
+            # A weights-only checkpoint (the imported weights) is the run's initial state, which a rollback never
+            # targets (see roll_back): it has no optimizer or loader state to return to.
+            if found is not None and found.meta.get("weights_only") is not True:
                 chosen = str(path)
                 break
     chosen = broadcast_object(s.rt, chosen)

@@ -62,7 +62,10 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
 
 
 def check_resumable(meta: dict[str, Any], run: RunConfig, fingerprint: str,
-                    allow_changed: bool) -> None:
+                    allow_changed: bool, tokenizer_sha256: str | None = None) -> None:
+    if meta.get("weights_only") is True:
+        _check_weights_only_start(meta, run, tokenizer_sha256)
+        return
     diffs = [d for d in config_differences(meta["config"], run.snapshot()) if d[0].split(".", 1)[1] not in FREE]
     if meta.get("data_fingerprint") not in (None, fingerprint):
         diffs.append(("data (dataset contents)", meta.get("data_fingerprint"), fingerprint))
@@ -79,6 +82,22 @@ def check_resumable(meta: dict[str, Any], run: RunConfig, fingerprint: str,
                           "pass --allow-changed if this is intended (e.g. a new learning rate or a longer run)")
 
 
+def _check_weights_only_start(meta: dict[str, Any], run: RunConfig, tokenizer_sha256: str | None) -> None:
+    """A weights-only checkpoint (`nanopt import`'s) carries no training session: every train.json setting is the
+    user's to choose. The model must be the one the weights are for, and the dataset must be tokenized with the
+    tokenizer the weights learnt: token ids of another tokenizer would train on nonsense without any error."""
+    diffs = [d for d in config_differences(meta["config"], run.snapshot()) if d[0].startswith("model.")]
+    if diffs:
+        listing = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diffs)
+        raise ResumeError(f"cannot start from the imported weights: model.json changed since the import ({listing})",
+                          "restore model.json (its shapes are the imported model's), or import again")
+    recorded = meta.get("tokenizer_sha256")
+    if recorded is not None and tokenizer_sha256 is not None and recorded != tokenizer_sha256:
+        raise ResumeError(f"the dataset was tokenized with another tokenizer than the imported model's (tokenizer.json "
+                          f"sha256 {tokenizer_sha256[:12]}, the model's {recorded[:12]})",
+                          "tokenize the corpus with --tokenizer RUN/checkpoints/step-000000/tokenizer.json")
+
+
 def maybe_resume(s: Session) -> None:
     """Restore the session from the checkpoint `--resume` names, or start from scratch."""
     if s.opts.resume == "none":
@@ -88,7 +107,8 @@ def maybe_resume(s: Session) -> None:
     if found is None:
         s.metrics.truncate_after(0)
         return
-    check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed)
+    check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed,
+                    s.dataset.tokenizer_sha256)
     load_checkpoint(s, found)
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
@@ -96,7 +116,7 @@ def maybe_resume(s: Session) -> None:
         restart = {"restart": restarts().done} if restarts().done else {}  # torchrun restarted the ranks
         s.metrics.write("event", step=found.step, event="resume", checkpoint=found.path.name, **restart)
     s.observer.note(f"resumed from {found.path} (step {found.step}, {found.meta['tokens']:,} tokens)")
-    if found.meta["world_size"] != s.rt.world_size:
+    if found.meta.get("world_size", s.rt.world_size) != s.rt.world_size:  # weights-only: no world size
         s.observer.note(f"the checkpoint was written by {found.meta['world_size']} rank(s), this run has "
                         f"{s.rt.world_size}: the data continues at the same sample and the optimizer state is "
                         "resharded; losses may differ in the last digits (sums reduced in another order)")
@@ -105,7 +125,11 @@ def maybe_resume(s: Session) -> None:
 def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
     """Put a live session back to `found`: weights, optimizer moments, counters, loader position and RNGs (on
     resume, and on an automatic rollback: nanopt.train.recovery). Either layout, written on any world size: each
-    rank reads the part it holds now."""
+    rank reads the part it holds now. A weights-only checkpoint restores the weights alone: the optimizer
+    and the train state stay as a fresh session made them (step 0)."""
+    if found.meta.get("weights_only") is True:
+        load_full_model_state(s.prepared, ckpt.load_model_state(found))
+        return
     if found.layout == ckpt.SHARDED:
         _load_sharded(s, found)
     else:

@@ -17,7 +17,7 @@ from nanopt.parsing import read_capped, read_json
 from nanopt.rundir import RunDir
 from nanopt.train import sharded
 from nanopt.train.contents import snapshot_model
-from nanopt.train.meta_fields import Bad, check_resume_fields
+from nanopt.train.meta_fields import Bad, check_resume_fields, check_weights_only_fields
 
 FORMAT_VERSION = 1
 FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
@@ -105,7 +105,10 @@ _REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "
              "world_size": int, "ranks": list, "config": dict}
 _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
              "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int,
-             "layout": str}
+             "layout": str, "weights_only": bool, "imported_from": dict}
+# A weights-only checkpoint (`nanopt import`'s step 0) holds a model and nothing of a training session: no optimizer
+# state, no loader or RNG state. Training starts from its weights with a fresh optimizer at step 0.
+WEIGHTS_ONLY_ABSENT = ("optimizer_param_groups", "world_size", "ranks")
 
 
 def bad_meta(meta_path: Path) -> Bad:
@@ -120,10 +123,13 @@ def check_meta(meta_path: Path, meta: Any) -> None:
     bad = bad_meta(meta_path)
     if not isinstance(meta, dict):
         raise bad(f"holds a JSON {type(meta).__name__}, not an object")
+    weights_only = meta.get("weights_only") is True
     for key, kind in {**_REQUIRED, **_OPTIONAL}.items():
         if key not in meta:
-            if key in _REQUIRED:
+            if key in _REQUIRED and not (weights_only and key in WEIGHTS_ONLY_ABSENT):
                 raise bad(f"has no '{key}'")
+        elif weights_only and key in WEIGHTS_ONLY_ABSENT:
+            raise bad(f"is weights-only and has '{key}', which belongs to a training session")
         elif not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
             raise bad(f"'{key}' is {type(meta[key]).__name__} {str(meta[key])[:40]!r}")
     if meta["format_version"] > FORMAT_VERSION:
@@ -133,11 +139,14 @@ def check_meta(meta_path: Path, meta: Any) -> None:
     if TOKENIZER_FILE in meta["files"] and (meta.get("tokenizer_sha256") != meta["files"][TOKENIZER_FILE]
                                             or "eos_id" not in meta):
         raise bad(f"a carried {TOKENIZER_FILE} needs its 'eos_id' and the same sha256 as 'tokenizer_sha256'")
+    if not all(isinstance(meta["config"].get(part), dict) for part in ("model", "train")):
+        raise bad("'config' must hold the model and train settings")
+    if weights_only:
+        check_weights_only_fields(meta, bad)
+        return
     if not meta["ranks"] or not all(isinstance(r, dict) and isinstance(r.get("loader"), dict)
                                     and isinstance(r.get("rng"), dict) for r in meta["ranks"]):
         raise bad("'ranks' must list each rank's loader and RNG state")
-    if not all(isinstance(meta["config"].get(part), dict) for part in ("model", "train")):
-        raise bad("'config' must hold the model and train settings")
     check_resume_fields(meta, bad)
 
 
@@ -145,7 +154,9 @@ def _check_files(meta: dict[str, Any], bad: Any) -> None:
     """meta.json's `files`: what its layout writes (and perhaps the tokenizer), each with a sha256 string."""
     files, layout = meta["files"], meta.get("layout", FULL)
     names = set(files) - {TOKENIZER_FILE}
-    if layout == FULL:
+    if meta.get("weights_only") is True:
+        ok, expected = layout == FULL and names == {FULL_FILES[0]}, f"{FULL_FILES[0]} (layout {FULL!r}) only"
+    elif layout == FULL:
         ok, expected = names == set(FULL_FILES), " and ".join(FULL_FILES)
     elif layout == SHARDED:
         ok = sharded.METADATA_FILE in names and all(sharded.is_shard_file(n) for n in names)

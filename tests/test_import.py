@@ -1,0 +1,185 @@
+"""`nanopt import`: transformers checkpoints written here with random weights (GPT-2, Llama with GQA, tied and
+untied, one sharded with an index) become runs whose logits are transformers' own, whose export gives them back,
+whose tokenizer is the source's, and that `nanopt train` continues from. What nanopt cannot represent exactly, and
+pickle weights, are refused in one line, and a failed import leaves no run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from clihelp import assert_user_error, run_cli
+from trainhelp import losses
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = "the model reads every layer of this corpus, and the optimizer learns"
+
+
+def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """Random values in every tensor (norm weights and biases too), so a mapping mistake cannot hide."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+def _save(model: torch.nn.Module, directory: Path, tokenizer: Path, **kwargs) -> Path:
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    shutil.copy(tokenizer, directory / "tokenizer.json")
+    return directory
+
+
+def _llama(vocab: int, tied: bool) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=tied, rms_norm_eps=1e-5)
+    return _perturbed(transformers.LlamaForCausalLM(cfg))
+
+
+def _gpt2(vocab: int) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    return _perturbed(transformers.GPT2LMHeadModel(cfg))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tiny_dataset: Path) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Four transformers directories with the tiny dataset's tokenizer (512 tokens)."""
+    root, tokenizer = tmp_path_factory.mktemp("hf"), tiny_dataset / "tokenizer.json"
+    vocab = json.loads((tiny_dataset / "meta.json").read_text())["vocab_size"]
+    models = {"gpt2": _gpt2(vocab), "llama-tied": _llama(vocab, True), "llama-untied": _llama(vocab, False),
+              "llama-sharded": _llama(vocab, False)}
+    found = {}
+    for name, model in models.items():
+        extra = {"max_shard_size": "40KB"} if name == "llama-sharded" else {}
+        found[name] = (_save(model, root / name, tokenizer, **extra), model)
+    assert (root / "llama-sharded" / "model.safetensors.index.json").is_file()
+    return found
+
+
+@pytest.fixture(scope="module")
+def imported(sources, tmp_path_factory) -> dict[str, Path]:
+    from nanopt.importer.run import import_model
+
+    root = tmp_path_factory.mktemp("runs")
+    return {name: import_model(str(directory), root / name) and root / name
+            for name, (directory, _) in sources.items()}
+
+
+def _nanopt_logits(run: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from nanopt.model.transformer import Transformer
+    from nanopt.train import checkpoint as ckpt
+
+    found = ckpt.verify(run / "checkpoints" / "step-000000")
+    model = Transformer(found.model)
+    missing, unexpected = model.load_state_dict(ckpt.load_model_state(found), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+def _tokens(tiny_dataset: Path) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    return torch.tensor([Tokenizer.from_file(str(tiny_dataset / "tokenizer.json")).encode(TEXT).ids[:24]])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied", "llama-untied", "llama-sharded"])
+def test_logits_equal_transformers_and_survive_export(name, sources, imported, tiny_dataset, tmp_path):
+    from nanopt.export.hf import export_hf
+    from nanopt.train import checkpoint as ckpt
+
+    tokens = _tokens(tiny_dataset)
+    source_model = sources[name][1]
+    with torch.no_grad():
+        expected = source_model(tokens).logits
+    ours = _nanopt_logits(imported[name], tokens)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+    found = ckpt.verify(imported[name] / "checkpoints" / "step-000000")
+    out = export_hf(found.model, ckpt.load_model_state(found), found.tokenizer_path, tmp_path / "export")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_run_directory_contents(imported, sources, tiny_dataset):
+    from tokenizers import Tokenizer
+
+    from nanopt.config import load_run
+
+    run = imported["llama-tied"]
+    meta = json.loads((run / "checkpoints" / "step-000000" / "meta.json").read_text())
+    assert meta["weights_only"] is True and meta["step"] == 0 and "optimizer_param_groups" not in meta
+    assert set(meta["files"]) == {"model.safetensors", "tokenizer.json"}
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000000"
+    train = json.loads((run / "train.json").read_text())
+    assert train["learning_rate"] < 6e-4 and train["warmup_steps"] <= 100 and "SET ME" in train["data"]
+    assert load_run(run).model.vocab_size == 512  # not padded
+    # The carried tokenizer encodes as the source's does (transformers' fast tokenizer over the source's file).
+    source_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(sources["llama-tied"][0] / "tokenizer.json"))
+    carried = Tokenizer.from_file(str(run / "checkpoints" / "step-000000" / "tokenizer.json"))
+    assert carried.encode(TEXT).ids == source_tok(TEXT)["input_ids"]
+    assert not [p for p in run.parent.iterdir() if p.name.startswith(".")]  # no staging directory left
+
+
+def test_cli_reports_what_it_did(sources, tmp_path, cli_in_process):
+    result = cli_in_process("import", sources["gpt2"][0], "--run", tmp_path / "g", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["architecture"] == "gpt2" and report["source_dtypes"] == ["F32"]
+    assert report["parameters"] == sum(p.numel() for p in sources["gpt2"][1].parameters())
+    assert report["vocab_size"] == report["tokenizer_vocab_size"] == 512
+    assert_user_error(cli_in_process("import", sources["gpt2"][0], "--run", tmp_path / "g"), "already exists")
+
+
+def _copy_source(sources, name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(sources[name][0], tmp_path / f"src-{name}"))
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ("hidden_act", "gelu"), ("head_dim", 16),
+    ("sliding_window", 16),
+])
+def test_config_nanopt_cannot_represent_is_refused(key, value, sources, tmp_path, cli_in_process):
+    source = _copy_source(sources, "llama-tied", tmp_path)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, key: value}))
+    assert_user_error(cli_in_process("import", source, "--run", tmp_path / "r"), f"key '{key}'")
+    assert not (tmp_path / "r").exists()
+
+
+def test_pickle_weights_are_refused(sources, tmp_path, cli_in_process):
+    source = _copy_source(sources, "gpt2", tmp_path)
+    (source / "model.safetensors").unlink()
+    (source / "pytorch_model.bin").write_bytes(b"not read: unpickling runs code")
+    assert_user_error(cli_in_process("import", source, "--run", tmp_path / "r"), "pytorch_model.bin", "pickle")
+    assert not (tmp_path / "r").exists()
+
+
+def test_corrupt_shard_leaves_no_run(sources, tmp_path, cli_in_process):
+    source = _copy_source(sources, "llama-sharded", tmp_path)
+    last = sorted(source.glob("model-*.safetensors"))[-1]
+    last.write_bytes(last.read_bytes()[:-100])  # truncated: the header promises bytes the file does not have
+    assert_user_error(cli_in_process("import", source, "--run", tmp_path / "r"), last.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]  # no run, no staging directory
+
+
+def test_continued_pretraining_lowers_the_loss(sources, tiny_dataset, tmp_path, cli_in_process):
+    run = tmp_path / "cpt"
+    assert cli_in_process("import", sources["llama-untied"][0], "--run", run).returncode == 0
+    sets = ["--set", f"data={tiny_dataset}", "--set", "micro_batch_size=4", "--set", "seq_len=32",
+            "--set", "global_batch_tokens=128", "--set", "max_steps=8", "--set", "warmup_steps=1",
+            "--set", "learning_rate=3e-3", "--set", "eval_interval=0", "--set", "log_interval=1",
+            "--set", "precision=fp32", "--set", "compile=false"]
+    result = run_cli("train", run, *sets, "--allow-changed")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from" in result.stdout + result.stderr
+    logged = losses(run)
+    assert min(logged) == 1 and logged[8] < logged[1]
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "resume" and e.get("checkpoint") == "step-000000" for e in events)
