@@ -183,3 +183,22 @@ def test_continued_pretraining_lowers_the_loss(sources, tiny_dataset, tmp_path, 
     assert min(logged) == 1 and logged[8] < logged[1]
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "resume" and e.get("checkpoint") == "step-000000" for e in events)
+
+
+def test_import_interrupted_while_writing_leaves_no_run(sources, tmp_path, monkeypatch):
+    """Killed (Ctrl-C) after some tensors are written: the staging directory goes, and no run appears."""
+    from nanopt.importer import weights
+    from nanopt.importer.run import import_model
+
+    real_read, calls = weights._read, []
+
+    def interrupted(stored):
+        calls.append(stored)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_read(stored)
+
+    monkeypatch.setattr(weights, "_read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        import_model(str(sources["llama-sharded"][0]), tmp_path / "runs" / "r")
+    assert len(calls) == 3 and list((tmp_path / "runs").iterdir()) == []
