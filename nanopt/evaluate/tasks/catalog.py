@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt.errors import DataError
+from nanopt.errors import DataError, NanoptError
 from nanopt.shown import printable
 
 DELIMITER = " "  # the harness's default target_delimiter, between context and continuation
@@ -126,15 +126,15 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 )}
 
 
-def parse_tasks(text: str) -> tuple[str, ...]:
-    """--tasks: comma-separated names, in order, each once; `all` for every task."""
+def parse_tasks(text: str, where: str = "--tasks", error: type[NanoptError] = DataError) -> tuple[str, ...]:
+    """Comma-separated task names, in order, each once; `all` for every task. `where` names the option or key."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return tuple(TASKS)
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         shown = ", ".join(printable(repr(n)) for n in unknown) or "(none)"
-        raise DataError(f"--tasks: unknown task {shown}", f"use some of {', '.join(TASKS)}, comma-separated, or all")
+        raise error(f"{where}: unknown task {shown}", f"use some of {', '.join(TASKS)}, comma-separated, or all")
     return tuple(dict.fromkeys(names))
 
 

@@ -35,7 +35,7 @@ def evaluate_tasks(model: torch.nn.Module, rt: Runtime, tokenizer: Any, eos_id: 
     results = {}
     for name in opts.names:
         started = time.perf_counter()
-        examples, source = _examples(rt, name, opts)
+        examples, source = load_examples(rt, name, opts)
         pairs = [pair for example in examples for pair in example.pairs]
         requests = encode_pairs(tokenizer, pairs, eos_id, max_positions)
         scores = score_requests(model, rt, requests, micro_batch_size, max_positions)
@@ -45,7 +45,7 @@ def evaluate_tasks(model: torch.nn.Module, rt: Runtime, tokenizer: Any, eos_id: 
     return {"tasks": results, "centered_mean": centered_mean(results)}
 
 
-def _examples(rt: Runtime, name: str, opts: TaskOptions) -> tuple[Sequence[Example], str]:
+def load_examples(rt: Runtime, name: str, opts: TaskOptions) -> tuple[Sequence[Example], str]:
     """Rank 0 reads and renders; every rank gets the examples, or the error to raise."""
     loaded: Any = None
     if rt.is_main:

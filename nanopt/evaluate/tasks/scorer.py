@@ -90,14 +90,15 @@ def plan_batches(lengths: Sequence[int], micro_batch_size: int, world_size: int)
 
 @torch.no_grad()
 def score_requests(model: torch.nn.Module, rt: Runtime, requests: Sequence[Request], micro_batch_size: int,
-                   max_positions: int) -> list[Score]:
-    """Every request's Score, on every rank; each rank runs its share of the batches."""
+                   max_positions: int, width: int | None = None) -> list[Score]:
+    """Every request's Score, on every rank; each rank runs its share of the batches. `width`: every batch that
+    wide (requests no longer than it), one shape for a compiled model; None: by length."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(len(requests), 2, dtype=torch.float64, device=rt.device)  # (log-likelihood, misses)
     batches = plan_batches([len(r.tokens) - 1 for r in requests], micro_batch_size, rt.world_size)
     for batch in batches[rt.rank::rt.world_size]:
-        _score_batch(model, rt, [requests[i] for i in batch], batch, micro_batch_size, max_positions, totals)
+        _score_batch(model, rt, [requests[i] for i in batch], batch, micro_batch_size, max_positions, totals, width)
     all_reduce_sum_(rt, totals)
     model.train(was_training)
     values = totals.cpu().tolist()
@@ -106,8 +107,8 @@ def score_requests(model: torch.nn.Module, rt: Runtime, requests: Sequence[Reque
 
 
 def _score_batch(model: torch.nn.Module, rt: Runtime, batch: list[Request], owners: list[int],
-                 micro_batch_size: int, max_positions: int, totals: torch.Tensor) -> None:
-    width = width_for(max((len(r.tokens) - 1 for r in batch), default=1), max_positions)
+                 micro_batch_size: int, max_positions: int, totals: torch.Tensor, width: int | None) -> None:
+    width = width or width_for(max((len(r.tokens) - 1 for r in batch), default=1), max_positions)
     inputs = torch.zeros(micro_batch_size, width, dtype=torch.long)
     rows, cols, targets, owner = [], [], [], []
     for row, (r, index) in enumerate(zip(batch, owners, strict=True)):
