@@ -47,6 +47,12 @@ Examples:
   nanopt eval runs/gpt2-small runs/gpt2-medium --chart gpt2-sizes.png   # their loss curves on one chart
 
   nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
+
+  nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
+
+--tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
+acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
+from DIR/TASK.jsonl in the hub dataset's schema. Results go to eval.json's "tasks"; with --no-loss, no eval.json.
 """
 
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
