@@ -12,6 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.eval_tasks import render_tasks, task_options
 from nanopt.cli.launch import launch_if_asked
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
@@ -46,6 +47,12 @@ Examples:
   nanopt eval runs/gpt2-small runs/gpt2-medium --chart gpt2-sizes.png   # their loss curves on one chart
 
   nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
+
+  nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
+
+--tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
+acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
+from DIR/TASK.jsonl in the hub dataset's schema. Results go to eval.json's "tasks"; with --no-loss, no eval.json.
 """
 
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
@@ -82,12 +89,20 @@ def eval_command(
                                "eval.json for the same checkpoint and settings exists."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 starts "
                                                                    "torchrun."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Downstream tasks, comma-separated, scored as "
+                                     "lm-evaluation-harness scores them: hellaswag, arc_easy, arc_challenge, piqa, "
+                                     "lambada_openai, winogrande, or all."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: the first N examples of each "
+                                     "task (default: all)."),
+    task_data: Path | None = typer.Option(None, "--task-data", help="With --tasks: read TASK.jsonl (or a "
+                                          "save_to_disk folder TASK/) from this directory instead of the hub."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
 
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
+    task_options(tasks, limit, task_data)  # a misspelt task fails now too
     overlay = len(run_dirs) > 1 and not no_loss
     if overlay:
         from nanopt.evaluate.charts import check_chart_path, default_chart_path
@@ -103,7 +118,7 @@ def eval_command(
         temperature=temperature, top_k=top_k or None, seed=seed)
     opts = EvalOptions(checkpoint=checkpoint, data=data, tokens=_token_count(tokens),
                        micro_batch_size=micro_batch_size, samples=samples, loss=not no_loss,
-                       reuse=len(run_dirs) > 1 and not fresh)
+                       reuse=len(run_dirs) > 1 and not fresh, tasks=task_options(tasks, limit, task_data))
     is_main = ranks().is_main
     results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
     if not is_main:
@@ -111,6 +126,8 @@ def eval_command(
     _print_checkpoint_notes(results)
     if no_loss:
         _render_samples_only(results, as_json)
+        if not as_json:
+            render_tasks(results)
         return
     rows = compare.ranked(results, price_per_hour)
     drawn = None
@@ -122,8 +139,10 @@ def eval_command(
         print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows), "chart": str(drawn)})
     elif len(rows) == 1:
         _render_one(rows[0])
+        render_tasks(rows)
     else:
         _render_comparison(rows, compare.notes(rows))
+        render_tasks(rows)
         console().print(escape(f"chart: {drawn} (train and validation loss of {len(rows)} runs, against tokens)"))
 
 

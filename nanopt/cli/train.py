@@ -16,7 +16,7 @@ from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, 
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
 from nanopt.cli.train_display import Display
-from nanopt.errors import DistributedError
+from nanopt.errors import ConfigError, DistributedError
 from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
@@ -104,18 +104,24 @@ def train_command(
         check_price_per_hour(price_per_hour)
         run = load_run_config(run_dir, sets, {"price_per_hour": price_per_hour, "on_exit": on_exit})
         hook.configure(run, from_file=on_exit is None and "on_exit" not in parse_overrides(sets or []))
+        if run.train.downstream_tasks:  # a misspelt task fails now, not at the first evaluation
+            from nanopt.evaluate.tasks.catalog import parse_tasks
+
+            parse_tasks(run.train.downstream_tasks, "train.json: key 'downstream_tasks'", ConfigError)
         if not under_torchrun():
             # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
             run.grad_accum_steps(nproc_per_node * nnodes)
     # torchrun's launcher leaves here with its ranks' exit status: rank 0 among them runs the hook, never this process.
     launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    from nanopt.evaluate.tasks.inloop import InLoopTasks
     from nanopt.train.loop import train
     from nanopt.train.session import TrainOptions
 
     started = ctx.obj.started if isinstance(ctx.obj, Invocation) else None
     with hook:
-        summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, started=started),
-                        Display(live=not no_live))
+        downstream = InLoopTasks.from_run(run.train, run.run_dir)
+        summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, started=started,
+                                          downstream=downstream), Display(live=not no_live))
         if ranks().is_main:
             if as_json:
                 print_json(summary)

@@ -135,6 +135,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     eval_interval: int = 250  # steps; 0 disables in-loop eval
     eval_tokens: int = 1_048_576
+    # Downstream tasks scored at each in-loop eval (`nanopt eval --tasks` names, comma-separated; None: off), on
+    # the first downstream_examples examples of each, from the hub or downstream_task_data (a --task-data folder).
+    downstream_tasks: str | None = None
+    downstream_examples: int = 500
+    downstream_task_data: str | None = None
     checkpoint_interval: int = 500  # steps; the last step always checkpoints
     keep_checkpoints: int = 3
     # Write checkpoints in the background, keeping one host copy of each rank's state between saves; false: the
@@ -169,7 +174,8 @@ class TrainConfig:
     def validate(self, model: ModelConfig, source: str = "train.json", *, look_up_data: bool = True) -> None:
         # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
         _check_dataset_path(self.data, source, look_up_data)
-        _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "keep_checkpoints",
+        _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "downstream_examples",
+                                       "keep_checkpoints",
                                        "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
                                        "recovery_confirm_steps", "max_recoveries"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",

@@ -30,6 +30,7 @@ from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
+from nanopt.evaluate.tasks.downstream import TaskOptions
 from nanopt.evaluate.trained import TrainedModel, fallback_note, load_model, open_trained, tokenizer_identity
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
@@ -59,6 +60,7 @@ class EvalOptions:
     samples: SampleSettings | None = field(default_factory=SampleSettings)  # None: no generation
     loss: bool = True  # False: samples only, which need no dataset when the checkpoint carries its tokenizer
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
+    tasks: TaskOptions | None = None  # downstream tasks (nanopt.evaluate.tasks); None: none
 
     def __post_init__(self) -> None:
         self.validate()  # at construction: a bad option fails before any runtime starts or checkpoint is read
@@ -67,7 +69,7 @@ class EvalOptions:
         # Upper bounds far past any real evaluation: a value beyond one is a typo (a micro-batch or a generation
         # of 2**63 would allocate until killed), and NaN would reach the sampler as a crash.
         hint = "see `nanopt eval --help`"
-        if not self.loss and self.samples is None:
+        if not self.loss and self.samples is None and self.tasks is None:
             raise ConfigError("--no-loss with --no-samples: nothing to evaluate", "drop one of the two")
         check_option("--tokens", self.tokens, 1, INT64_MAX, "a token count such as 1M, or all")
         check_option("--micro-batch-size", self.micro_batch_size, 1, MAX_EVAL_MICRO_BATCH, hint)
@@ -78,6 +80,8 @@ class EvalOptions:
             check_option("--top-k", s.top_k, 1, MAX_MODEL_DIMENSION, "0 samples from all tokens; e.g. 50")
             # Prompt i samples with seed + i, which must still fit in 64 bits.
             check_option("--seed", s.seed, 0, INT64_MAX - len(s.prompts), "a whole number such as 0 or 1")
+        if self.tasks is not None:
+            check_option("--limit", self.tasks.limit, 1, INT64_MAX, "examples per task, e.g. 500")
 
 
 class Progress:
@@ -114,7 +118,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     if opts.samples:  # a prompt that cannot be continued fails now, before the evaluation
         check_prompts_fit(trained.tokenizer(), opts.samples, trained.run.model.max_position_embeddings)
     if not opts.loss:
-        return sample_run(rt, run_dir, trained, opts.samples)
+        return sample_run(rt, run_dir, trained, opts)
     check_own_checkpoint(run_dir, trained.checkpoint)
     # The run's own precision setting, so test and in-loop validation losses are measured alike.
     rt = with_tf32(replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device)),
@@ -132,6 +136,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     started = time.perf_counter()
     loss = evaluate_loss(model, rt, _tracked(batches, progress, f"{run_dir} {trained.checkpoint.path.name}"))
     seconds = time.perf_counter() - started
+    tasks = _tasks(model, rt, trained, opts, micro_batch_size)
     samples = []
     if opts.samples and rt.is_main:
         samples = generate_samples(model, trained.tokenizer(), trained.eos_id, opts.samples)
@@ -143,7 +148,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "tokens": loss.tokens,
         "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token,
         **training_record(trained),
-        "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": settings,
+        "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks, "settings": settings,
         "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
         "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -190,16 +195,28 @@ def check_own_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
                               f"{ckpt.path.name}")
 
 
-def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, settings: SampleSettings) -> dict[str, Any]:
-    """Samples only (`--no-loss`): nothing is measured, so no eval.json is written, which comparisons would read as
-    a measurement. The dataset is None unless --data named one (an old checkpoint's tokenizer comes from it)."""
+def _tasks(model: Any, rt: Runtime, trained: TrainedModel, opts: EvalOptions, micro_batch_size: int) -> dict:
+    """{"tasks": ..., "centered_mean": ...} for --tasks, else {}."""
+    if opts.tasks is None:
+        return {}
+    from nanopt.evaluate.tasks.downstream import evaluate_tasks
+
+    return evaluate_tasks(model, rt, trained.tokenizer(), trained.eos_id, opts.tasks, micro_batch_size)
+
+
+def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, opts: EvalOptions) -> dict[str, Any]:
+    """Samples and downstream tasks only (`--no-loss`): no test loss is measured, so no eval.json is written, which
+    comparisons would read as a test loss. The dataset is None unless --data named one (an old checkpoint's
+    tokenizer comes from it)."""
+    settings = opts.samples
     model = _load(trained, rt)
-    samples = generate_samples(model, trained.tokenizer(), trained.eos_id, settings) if rt.is_main else []
+    tasks = _tasks(model, rt, trained, opts, opts.micro_batch_size or trained.run.train.micro_batch_size)
+    samples = generate_samples(model, trained.tokenizer(), trained.eos_id, settings) if rt.is_main and settings else []
     return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
             "notes": _notes(trained),
             "dataset": str(trained.dataset.path) if trained.dataset else None, "test_loss": None,
-            "tokenizer_check": trained.tokenizer_check, "samples": samples, "settings": {"samples": asdict(settings)},
-            "device": str(rt.device)}
+            "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks,
+            "settings": {"samples": asdict(settings) if settings else None}, "device": str(rt.device)}
 
 
 def write_result(rt: Runtime, result: dict[str, Any], trained: TrainedModel, run_file: Path) -> None:
@@ -262,8 +279,16 @@ def eval_settings(trained: TrainedModel, rt: Runtime, opts: EvalOptions, tokens:
         "tokenizer_sha256": tokenizer_identity(trained.dataset)[1], "seq_len": trained.run.seq_len,
         "max_tokens": opts.tokens, "tokens": tokens, "precision": rt.precision,
         "samples": asdict(opts.samples) if opts.samples else None,
+        # Task files are named by path: --fresh recomputes after they change.
+        "tasks": _task_settings(opts.tasks),
     }
     return json.loads(json.dumps(settings))  # tuples become lists, as they come back from eval.json
+
+
+def _task_settings(tasks: TaskOptions | None) -> dict[str, Any] | None:
+    if tasks is None:
+        return None
+    return {**asdict(tasks), "task_data": None if tasks.task_data is None else str(tasks.task_data)}
 
 
 def previous_result(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, Any] | None:

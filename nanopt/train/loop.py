@@ -285,6 +285,7 @@ def validation_batches(s: Session) -> Any:
 
 
 def maybe_eval(s: Session) -> None:
+    from nanopt.train.downstream import score_downstream
     from nanopt.train.validation import evaluate_loss
 
     interval, st = s.run.train.eval_interval, s.state
@@ -297,8 +298,9 @@ def maybe_eval(s: Session) -> None:
         st.last_val_loss, st.val_step = result.loss, st.step
         if st.best_val_loss is None or result.loss < st.best_val_loss:
             st.best_val_loss = result.loss
+        tasks = score_downstream(s)  # charged to the eval phase too
     s.metrics.write("eval", step=st.step, tokens=st.tokens, val_loss=result.loss, val_tokens=result.tokens,
-                    val_perplexity=result.perplexity, eval_s=s.clock.last["eval"])
+                    val_perplexity=result.perplexity, eval_s=s.clock.last["eval"], **tasks)
     if s.rt.is_main:
         write_loss_chart(s.run.run_dir)
     s.observer.evaluated(st.step, result.loss, s.clock.last["eval"], _eval_share(s))

@@ -29,6 +29,9 @@ class TrainOptions:
     resume: str = "auto"  # auto | none | latest | best | PATH
     allow_changed: bool = False  # resume although learning-rate, budget or world-size settings changed
     started: float | None = None  # Unix time the session is billed from: its process's start (the CLI); None: now
+    # Scores train.json's downstream_tasks at each in-loop eval (nanopt.train.downstream.DownstreamHook); the CLI
+    # builds it from nanopt.evaluate, which this layer cannot import. None: no downstream tasks.
+    downstream: Any = None
 
 
 @dataclass
