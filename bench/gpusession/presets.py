@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from gpusession.records import REPO, Context
+from gpusession.records import REPO, Context, read_jsonl
 
 PRESETS = {"gpt2-small": "runs/gpt2-small", "llama-1b": "runs/llama-3.2-1b"}  # workload: the repository's preset
 # The micro-batch of GPT-2 small that throughput, find-batch's compiled trial, bf16-vs-fp32, profile and resume all
@@ -62,18 +61,6 @@ def seq_len(run: Path) -> int:
 
 def settings_args(settings: list[str]) -> list[str]:
     return [a for s in settings for a in ("--set", s)]
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a kill
-    return records
 
 
 def train_losses(run: Path) -> dict[int, float]:

@@ -89,7 +89,11 @@ def append_record(out: Path, record: dict[str, Any]) -> None:
 
 
 def read_records(out: Path) -> list[dict[str, Any]]:
-    path = out / RESULTS
+    return read_jsonl(out / RESULTS)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file (results.jsonl, a run's metrics.jsonl); a line torn by a kill is skipped."""
     if not path.exists():
         return []
     records = []

@@ -19,12 +19,11 @@ from gpusession.presets import (
     gpt2_micro,
     last_logged_step,
     preset,
-    read_jsonl,
     seq_len,
     settings_args,
     train_losses,
 )
-from gpusession.records import Context, append_record, base_record, gib
+from gpusession.records import Context, append_record, base_record, gib, read_jsonl
 
 # The agreement bf16 + compile must show with the fp32 reference over the same steps and data (bench/RESULTS.md):
 # bf16 rounds each matmul input to 8 bits of mantissa (relative 2^-8 = 0.4%), so the two runs follow slightly
