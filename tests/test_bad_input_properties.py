@@ -276,6 +276,7 @@ def command_calls(world: dict[str, Path], run: Path) -> dict[str, list[object]]:
         "train": ["train", run, "--no-live"],
         "eval": ["eval", run],
         "export": ["export", run, "--out", run.parent / "exported"],
+        "import": ["import", world["root"] / "hf-model", "--run", run.parent / "imported"],  # no numeric option
     }
 
 
@@ -415,7 +416,7 @@ def run_directory_commands() -> list[tuple[str, str]]:
     out = []
     for name, command in typer.main.get_command(app).commands.items():
         for param in command.params:
-            if param.name in ("run_dir", "run_dirs"):
+            if param.name in ("run_dir", "run_dirs") or (name, param.name) == ("import", "run"):
                 out.append((name, max(param.opts, key=len) if isinstance(param, typer.core.TyperOption) else ""))
     return out
 
@@ -427,7 +428,9 @@ def test_a_file_given_as_the_run_directory_is_one_line_exit_2(command: str, opti
     not_a_dir = run.parent / "notes.txt"
     not_a_dir.write_text("a file, not a run directory\n")
     argv = [*command_calls(world, run)[command]]
-    if option:  # tokenize --run: the run whose model sets --max-tokens chinchilla
+    if command == "import":  # import --run: the run directory it creates
+        argv[argv.index("--run") + 1] = not_a_dir
+    elif option:  # tokenize --run: the run whose model sets --max-tokens chinchilla
         argv += ["--max-tokens", "chinchilla", option, not_a_dir]
     else:
         argv[1] = not_a_dir
@@ -440,7 +443,9 @@ def test_a_run_directory_too_long_to_look_up_is_one_line_exit_2(command: str, op
     run = cases.new_run()
     too_long = "runs/" + "x" * 5000  # past NAME_MAX: the lookup itself fails, with ENAMETOOLONG
     argv = [*command_calls(world, run)[command]]
-    if option:
+    if command == "import":
+        argv[argv.index("--run") + 1] = too_long
+    elif option:
         argv += ["--max-tokens", "chinchilla", option, too_long]
     else:
         argv[1] = too_long

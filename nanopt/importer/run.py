@@ -22,6 +22,7 @@ from nanopt.importer import weights
 from nanopt.importer.config import model_config_from_hf
 from nanopt.importer.source import Source, open_source
 from nanopt.model.layout import meta_model, tied_aliases
+from nanopt.parsing import path_kind
 from nanopt.rundir import RunDir
 from nanopt.train import checkpoint as ckpt
 
@@ -82,8 +83,12 @@ def import_model(source: str, run_dir: Path, revision: str | None = None) -> Imp
 
 
 def _check_new(run_dir: Path) -> None:
-    if run_dir.is_symlink() or run_dir.exists():
-        raise ConfigError(f"{run_dir}: already exists", "import into a new run directory (choose another --run)")
+    hint = "import into a new run directory (choose another --run)"
+    kind = path_kind(run_dir, ConfigError, hint)  # one line, not a traceback, for a name the OS cannot look up
+    if kind == "file" and not run_dir.is_symlink():
+        raise ConfigError(f"{run_dir}: is a file, not a run directory", hint)
+    if kind != "missing" or run_dir.is_symlink():
+        raise ConfigError(f"{run_dir}: already exists", hint)
 
 
 def _staging(run_dir: Path) -> Path:
