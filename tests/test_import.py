@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from clihelp import assert_user_error, run_cli
+from importhelp import gpt2, llama, save
 from trainhelp import losses
 
 transformers = pytest.importorskip("transformers")
@@ -19,44 +20,17 @@ transformers = pytest.importorskip("transformers")
 TEXT = "the model reads every layer of this corpus, and the optimizer learns"
 
 
-def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Random values in every tensor (norm weights and biases too), so a mapping mistake cannot hide."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model.eval()
-
-
-def _save(model: torch.nn.Module, directory: Path, tokenizer: Path, **kwargs) -> Path:
-    model.save_pretrained(directory, safe_serialization=True, **kwargs)
-    shutil.copy(tokenizer, directory / "tokenizer.json")
-    return directory
-
-
-def _llama(vocab: int, tied: bool) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=tied, rms_norm_eps=1e-5)
-    return _perturbed(transformers.LlamaForCausalLM(cfg))
-
-
-def _gpt2(vocab: int) -> torch.nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4)
-    return _perturbed(transformers.GPT2LMHeadModel(cfg))
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, tiny_dataset: Path) -> dict[str, tuple[Path, torch.nn.Module]]:
     """Four transformers directories with the tiny dataset's tokenizer (512 tokens)."""
     root, tokenizer = tmp_path_factory.mktemp("hf"), tiny_dataset / "tokenizer.json"
     vocab = json.loads((tiny_dataset / "meta.json").read_text())["vocab_size"]
-    models = {"gpt2": _gpt2(vocab), "llama-tied": _llama(vocab, True), "llama-untied": _llama(vocab, False),
-              "llama-sharded": _llama(vocab, False)}
+    models = {"gpt2": gpt2(vocab), "llama-tied": llama(vocab, True), "llama-untied": llama(vocab, False),
+              "llama-sharded": llama(vocab, False)}
     found = {}
     for name, model in models.items():
         extra = {"max_shard_size": "40KB"} if name == "llama-sharded" else {}
-        found[name] = (_save(model, root / name, tokenizer, **extra), model)
+        found[name] = (save(model, root / name, tokenizer, **extra), model)
     assert (root / "llama-sharded" / "model.safetensors.index.json").is_file()
     return found
 
