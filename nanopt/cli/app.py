@@ -31,7 +31,8 @@ from nanopt.shown import printable
 app = typer.Typer(
     name="nanopt",
     help="Pretrain decoder-only language models with PyTorch: estimate, tokenize, find-batch, profile, preflight, "
-         "train, eval, export.\n\nQuick start: `make demo` (CPU, built-in corpus), or see README.md for a GPU run.",
+         "train, eval, export, and import from transformers.\n\n"
+         "Quick start: `make demo` (CPU, built-in corpus), or see README.md for a GPU run.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="markdown",

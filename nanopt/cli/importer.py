@@ -22,8 +22,9 @@ scaling, another activation, a head size other than hidden / heads, ...) is refu
 
 The run gets model.json, train.json (continued-pretraining defaults; set its `data`) and checkpoints/step-000000:
 the weights as float32 and the tokenizer. `nanopt train` starts from those weights with a fresh optimizer at step
-0. The weights are converted one tensor at a time: the import needs about the largest tensor's size in memory,
-and the checkpoint's size (4 bytes per parameter) on disk. A failed or interrupted import leaves no run directory.
+0. The weights are converted one tensor at a time: the import needs the interpreter and torch plus about twice the
+largest tensor in memory (753 MiB for 472M parameters, bench/RESULTS.md), and the checkpoint's size (4 bytes per
+parameter) on disk. A failed or interrupted import leaves no run directory.
 
 Examples:
 
