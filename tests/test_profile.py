@@ -73,9 +73,10 @@ def test_shares_are_consistent(profiled):
         # Its own category, or that of the optimizer step, attention call, collective or loader wait it ran in.
         assert op["category"] in {categorize(op["name"]), "optimizer", "attention", "communication",
                                   "data loading/copies"}, op
-    # The matrix products dominate a step on the CPU: aten::mm is listed, as matmul, the largest matmul operator.
+    # The matrix products dominate a step on the CPU: aten::mm is listed, as matmul. (Not necessarily first: on a
+    # loaded machine a preempted aten::linear's own time can exceed it, which made this test fail under load.)
     matmuls = [op["name"] for op in top if op["category"] == "matmul"]
-    assert matmuls and matmuls[0] == "aten::mm"
+    assert "aten::mm" in matmuls
     # The data wait is the wall time around each loader call, per active step: at least the time the trace recorded
     # inside those labelled calls, and a part of the step. (No upper bound: on a busy machine the wall time around
     # a call can exceed the labelled time several times over.)
