@@ -111,8 +111,12 @@ def test_find_batch_picks_the_micro_batch_and_says_to_set_it(tmp_path: Path, tin
     run = small_run(tmp_path, tiny_dataset, micro_batch_size=1, global_batch_tokens=256)
     result = cli_in_process("preflight", run, "--steps", "12", "--warmup", "1", "--find-batch", "--max-memory", "8GiB",
                             "--json")
-    assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    # A micro-batch of one sequence makes a step so short that fetching its batches is about 5% of it on a CPU, the
+    # loader check's limit: that check may rightly fail on a loaded machine (CI saw 5.4%), and it is not what this
+    # test is about. Every other check must pass.
+    assert result.returncode in (0, 3), result.stderr
+    assert set(report["failed"]) <= {"loader_wait_small"}, result.stderr
     searched = json.loads((run / "find_batch.json").read_text())  # find-batch's own record, as that command leaves
     assert [t["micro_batch_size"] for t in searched["trials"]] == [1, 2]
     size = searched["best_micro_batch"]
