@@ -91,3 +91,25 @@ def test_the_cost_warning_spreads_the_tasks_time_over_their_interval():
 
     assert typical_eval_seconds(session(8, 5.0)) == pytest.approx(2.0)  # scored now: 1 s + 4 s / 4
     assert typical_eval_seconds(session(10, 1.0)) == pytest.approx(2.0)  # not scored now: 1 s + 4 s / 4
+
+
+def test_the_gpt2_presets_tasks_without_the_hub_are_turned_off_and_training_goes_on(tmp_path: Path,
+                                                                                     tiny_dataset: Path,
+                                                                                     launcher: Launcher):
+    from clihelp import REPO
+
+    preset = json.loads((REPO / "runs" / "gpt2-small" / "train.json").read_text())
+    assert preset["downstream_tasks"] == "hellaswag,arc_easy,piqa" and preset["downstream_examples"] <= 500
+    assert preset["downstream_interval"] % preset["eval_interval"] == 0  # the preset itself is valid
+    run = make_run(tmp_path, tiny_dataset, "run", max_steps=2, eval_interval=2, checkpoint_interval=2,
+                   eval_tokens=256, downstream_tasks=preset["downstream_tasks"],
+                   downstream_examples=preset["downstream_examples"])
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    child = launcher.train(run, env=offline)
+    assert child.returncode == 0, child.stderr[-3000:]
+    said = child.stdout + child.stderr
+    for name, dataset in (("hellaswag", "Rowan/hellaswag"), ("arc_easy", "allenai/ai2_arc"), ("piqa", "baber/piqa")):
+        assert f"downstream task {name} is off for this session: {name}: could not load {dataset}" in said
+    (evaluation,) = _records(run, "eval")
+    assert evaluation["step"] == 2 and not any(k.startswith("task_") for k in evaluation)
+    assert (run / "checkpoints" / "step-000002").is_dir()
