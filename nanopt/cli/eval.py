@@ -12,7 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
-from nanopt.cli.eval_tasks import render_tasks, task_options
+from nanopt.cli.eval_tasks import harness_options, render_tasks, task_options
 from nanopt.cli.launch import launch_if_asked
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
@@ -50,9 +50,14 @@ Examples:
 
   nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
 
+  nanopt eval runs/gpt2-small --tasks hellaswag --harness hellaswag --limit 500   # beside lm-evaluation-harness's
+
 --tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
 acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
 from DIR/TASK.jsonl in the hub dataset's schema. Results go to eval.json's "tasks"; with --no-loss, no eval.json.
+--harness exports the checkpoint to a temporary directory and runs lm-evaluation-harness (lm_eval.simple_evaluate,
+its hf model, fp32) on the same tasks, --limit and --task-data; its numbers go to eval.json's "harness" and into
+the same table, a column beside nanopt's (pip install "nanopt[harness]").
 """
 
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
@@ -96,13 +101,18 @@ def eval_command(
                                      "task (default: all)."),
     task_data: Path | None = typer.Option(None, "--task-data", help="With --tasks: read TASK.jsonl (or a "
                                           "save_to_disk folder TASK/) from this directory instead of the hub."),
+    harness: str | None = typer.Option(None, "--harness", help="Also score these tasks (comma-separated, or all) "
+                                       "with lm-evaluation-harness itself, on the checkpoint exported to a "
+                                       "temporary directory; printed beside nanopt's. Needs pip install "
+                                       "\"nanopt[harness]\"."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
 
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
-    task_options(tasks, limit, task_data)  # a misspelt task fails now too
+    task_options(tasks, limit, task_data, harness)  # a misspelt task fails now too
+    harness_opts = harness_options(harness, limit, task_data, nproc_per_node)  # and a missing harness extra
     overlay = len(run_dirs) > 1 and not no_loss
     if overlay:
         from nanopt.evaluate.charts import check_chart_path, default_chart_path
@@ -118,7 +128,8 @@ def eval_command(
         temperature=temperature, top_k=top_k or None, seed=seed)
     opts = EvalOptions(checkpoint=checkpoint, data=data, tokens=_token_count(tokens),
                        micro_batch_size=micro_batch_size, samples=samples, loss=not no_loss,
-                       reuse=len(run_dirs) > 1 and not fresh, tasks=task_options(tasks, limit, task_data))
+                       reuse=len(run_dirs) > 1 and not fresh, tasks=task_options(tasks, limit, task_data, harness),
+                       harness=harness_opts)
     is_main = ranks().is_main
     results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
     if not is_main:

@@ -239,9 +239,33 @@ def _outcome_table(s: dict[str, Any]) -> Table:
             ("final val loss", _loss(s["final_val_loss"])), ("best val loss", _loss(s["best_val_loss"])),
             ("skipped non-finite steps", str(s["skipped_steps"])),
             ("latest checkpoint", s["latest_checkpoint"] or "-"), ("best checkpoint", s["best_checkpoint"] or "-")]
+    if s.get("downstream"):
+        rows.append((f"downstream tasks (step {s['downstream']['step']:,})", _downstream(s["downstream"])))
     for label, value in rows:
         table.add_row(label, escape(value))  # the run's and its checkpoints' paths
     return table
+
+
+# Per task, the numbers the end-of-run table shows: accuracy by the harness's acc_norm where the task has it.
+_HEADLINE = ("acc_norm", "acc", "perplexity")
+
+
+def _downstream(flat: dict[str, Any]) -> str:
+    """`hellaswag acc_norm 26.0%, lambada_openai acc 1.0% perplexity 812.3; centered mean 0.4%` from an eval
+    record's task_NAME_METRIC keys (nanopt.train.downstream)."""
+    tasks: dict[str, dict[str, float]] = {}
+    for key, value in flat.items():
+        for metric in ("acc_per_token", "acc_norm", "acc", "centered", "perplexity"):
+            if key.startswith("task_") and key.endswith("_" + metric) and key != "task_centered_mean":
+                tasks.setdefault(key[len("task_"):-len(metric) - 1], {})[metric] = value
+                break
+    parts = []
+    for name, metrics in tasks.items():
+        accuracy = next(m for m in _HEADLINE if m in metrics)
+        text = f"{name} {accuracy} {fmt.percent(metrics[accuracy])}" if accuracy != "perplexity" else name
+        parts.append(text + (f" perplexity {metrics['perplexity']:.2f}" if "perplexity" in metrics else ""))
+    mean = flat.get("task_centered_mean")
+    return ", ".join(parts) + ("" if mean is None else f"; centered mean {fmt.percent(mean)}")
 
 
 def _loss(x: float | None) -> str:

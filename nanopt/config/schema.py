@@ -135,9 +135,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     eval_interval: int = 250  # steps; 0 disables in-loop eval
     eval_tokens: int = 1_048_576
-    # Downstream tasks scored at each in-loop eval (`nanopt eval --tasks` names, comma-separated; None: off), on
-    # the first downstream_examples examples of each, from the hub or downstream_task_data (a --task-data folder).
+    # Downstream tasks scored at in-loop evals (`nanopt eval --tasks` names, comma-separated; None: off), every
+    # downstream_interval steps (None: eval_interval; a multiple of it; 0: never), on the first downstream_examples
+    # examples of each, from the hub or downstream_task_data (a --task-data folder).
     downstream_tasks: str | None = None
+    downstream_interval: int | None = None
     downstream_examples: int = 500
     downstream_task_data: str | None = None
     checkpoint_interval: int = 500  # steps; the last step always checkpoints
@@ -180,6 +182,7 @@ class TrainConfig:
                                        "recovery_confirm_steps", "max_recoveries"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
                                            "weight_decay", "seed", "recovery_skip_steps", "recovery_lr_steps"))
+        self._check_downstream_interval(source)
         if not (math.isfinite(self.recovery_lr_factor) and 0 < self.recovery_lr_factor <= 1):
             raise ConfigError(f"{source}: key 'recovery_lr_factor': {show_value(self.recovery_lr_factor)} is outside "
                               "(0, 1]", "the learning-rate multiplier after a rollback, e.g. 0.5")
@@ -219,6 +222,16 @@ class TrainConfig:
             raise ConfigError(f"{source}: key 'on_exit': the command is empty",
                               "give a shell command such as \"sudo shutdown -h now\", or remove the key")
         _check_wandb_project(self.wandb_project, source)
+
+    def _check_downstream_interval(self, source: str) -> None:
+        """Tasks are scored at in-loop evaluations: their interval is a multiple of eval_interval."""
+        every, evals = self.downstream_interval, self.eval_interval
+        if every is None or every == 0:
+            return
+        if every < 0 or (evals and every % evals) or not evals:
+            raise ConfigError(f"{source}: key 'downstream_interval': {every} is not a multiple of eval_interval "
+                              f"{evals}", "downstream tasks are scored at in-loop evaluations: use a multiple of "
+                              f"eval_interval (e.g. {max(evals, 1) * 4}), or 0 for none")
 
     def _check_optimizer(self, source: str) -> None:
         if not (math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0):

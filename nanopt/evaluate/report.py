@@ -31,6 +31,7 @@ from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.tasks.downstream import TaskOptions
+from nanopt.evaluate.tasks.harness import HarnessOptions
 from nanopt.evaluate.trained import TrainedModel, fallback_note, load_model, open_trained, tokenizer_identity
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
@@ -61,6 +62,7 @@ class EvalOptions:
     loss: bool = True  # False: samples only, which need no dataset when the checkpoint carries its tokenizer
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
     tasks: TaskOptions | None = None  # downstream tasks (nanopt.evaluate.tasks); None: none
+    harness: HarnessOptions | None = None  # the same tasks scored by lm-evaluation-harness itself; None: not run
 
     def __post_init__(self) -> None:
         self.validate()  # at construction: a bad option fails before any runtime starts or checkpoint is read
@@ -69,7 +71,7 @@ class EvalOptions:
         # Upper bounds far past any real evaluation: a value beyond one is a typo (a micro-batch or a generation
         # of 2**63 would allocate until killed), and NaN would reach the sampler as a crash.
         hint = "see `nanopt eval --help`"
-        if not self.loss and self.samples is None and self.tasks is None:
+        if not self.loss and self.samples is None and self.tasks is None and self.harness is None:
             raise ConfigError("--no-loss with --no-samples: nothing to evaluate", "drop one of the two")
         check_option("--tokens", self.tokens, 1, INT64_MAX, "a token count such as 1M, or all")
         check_option("--micro-batch-size", self.micro_batch_size, 1, MAX_EVAL_MICRO_BATCH, hint)
@@ -82,6 +84,8 @@ class EvalOptions:
             check_option("--seed", s.seed, 0, INT64_MAX - len(s.prompts), "a whole number such as 0 or 1")
         if self.tasks is not None:
             check_option("--limit", self.tasks.limit, 1, INT64_MAX, "examples per task, e.g. 500")
+        if self.harness is not None:
+            check_option("--limit", self.harness.limit, 1, INT64_MAX, "examples per task, e.g. 500")
 
 
 class Progress:
@@ -104,6 +108,10 @@ def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progres
     """Evaluate each run's checkpoint on its test split (all ranks under torchrun); one result per run."""
     rt = init_runtime("auto")
     try:
+        if opts.harness is not None and rt.world_size > 1:
+            raise ConfigError("--harness runs lm-evaluation-harness in one process, and this is one of "
+                              f"{rt.world_size} ranks", "run the --harness evaluation without torchrun "
+                              "(--nproc-per-node 1)")
         results = [evaluate_run(rt, Path(run_dir), opts, progress or Progress()) for run_dir in run_dirs]
         barrier(rt)  # rank 0 may still be sampling; let no rank tear the process group down under it
         return results
@@ -136,7 +144,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     started = time.perf_counter()
     loss = evaluate_loss(model, rt, _tracked(batches, progress, f"{run_dir} {trained.checkpoint.path.name}"))
     seconds = time.perf_counter() - started
-    tasks = _tasks(model, rt, trained, opts, micro_batch_size)
+    tasks = {**_tasks(model, rt, trained, opts, micro_batch_size), **_harness(rt, trained, opts, micro_batch_size)}
     samples = []
     if opts.samples and rt.is_main:
         samples = generate_samples(model, trained.tokenizer(), trained.eos_id, opts.samples)
@@ -204,13 +212,23 @@ def _tasks(model: Any, rt: Runtime, trained: TrainedModel, opts: EvalOptions, mi
     return evaluate_tasks(model, rt, trained.tokenizer(), trained.eos_id, opts.tasks, micro_batch_size)
 
 
+def _harness(rt: Runtime, trained: TrainedModel, opts: EvalOptions, micro_batch_size: int) -> dict:
+    """{"harness": ..., "harness_seconds": ...} for --harness, else {}."""
+    if opts.harness is None:
+        return {}
+    from nanopt.evaluate.tasks.harness import run_harness
+
+    return run_harness(trained, opts.harness, str(rt.device), micro_batch_size)
+
+
 def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, opts: EvalOptions) -> dict[str, Any]:
     """Samples and downstream tasks only (`--no-loss`): no test loss is measured, so no eval.json is written, which
     comparisons would read as a test loss. The dataset is None unless --data named one (an old checkpoint's
     tokenizer comes from it)."""
     settings = opts.samples
     model = _load(trained, rt)
-    tasks = _tasks(model, rt, trained, opts, opts.micro_batch_size or trained.run.train.micro_batch_size)
+    micro_batch_size = opts.micro_batch_size or trained.run.train.micro_batch_size
+    tasks = {**_tasks(model, rt, trained, opts, micro_batch_size), **_harness(rt, trained, opts, micro_batch_size)}
     samples = generate_samples(model, trained.tokenizer(), trained.eos_id, settings) if rt.is_main and settings else []
     return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
             "notes": _notes(trained),
@@ -282,6 +300,8 @@ def eval_settings(trained: TrainedModel, rt: Runtime, opts: EvalOptions, tokens:
         # Task files are named by path: --fresh recomputes after they change.
         "tasks": _task_settings(opts.tasks),
     }
+    if opts.harness is not None:  # only then: eval.json files made before --harness existed are still reused
+        settings["harness"] = opts.harness.settings()
     return json.loads(json.dumps(settings))  # tuples become lists, as they come back from eval.json
 
 

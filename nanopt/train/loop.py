@@ -21,6 +21,7 @@ from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import phases
+from nanopt.train.downstream import downstream_advice, run_downstream, score_downstream, typical_eval_seconds
 from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
@@ -285,7 +286,6 @@ def validation_batches(s: Session) -> Any:
 
 
 def maybe_eval(s: Session) -> None:
-    from nanopt.train.downstream import score_downstream
     from nanopt.train.validation import evaluate_loss
 
     interval, st = s.run.train.eval_interval, s.state
@@ -317,7 +317,7 @@ def _eval_share(s: Session) -> float:
 def _warn_if_eval_costly(s: Session) -> None:
     """Once per session, say when evaluation takes more than phases.EVAL_SHARE_WARNING of the time of its interval
     (see phases.EvalShareWatch), with the eval_interval or eval_tokens that would bring it under."""
-    eval_s, interval = s.clock.last["eval"], s.run.train.eval_interval
+    eval_s, interval = typical_eval_seconds(s), s.run.train.eval_interval  # downstream tasks: see there
     costly = s.eval_watch.costly(s.state.step, s.clock.seconds["train"], eval_s or 0.0)
     if costly is None:
         return
@@ -327,7 +327,8 @@ def _warn_if_eval_costly(s: Session) -> None:
     s.observer.note(f"step {s.state.step}: evaluation takes {share:.0%} of the step and evaluation time ("
                     f"{eval_s:.2f} s every {interval} steps of {step_s:.3f} s); "
                     f"eval_interval {advice['eval_interval']} or eval_tokens {advice['eval_tokens']:,} would bring "
-                    f"it under {phases.EVAL_SHARE_WARNING:.0%} (--set KEY=VALUE; both may change on resume)")
+                    f"it under {phases.EVAL_SHARE_WARNING:.0%} (--set KEY=VALUE; both may change on resume)"
+                    f"{downstream_advice(s)}")
 
 
 def maybe_checkpoint(s: Session, force: bool = False) -> None:
@@ -363,6 +364,7 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
         "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
         "skipped_steps": st.skipped_steps, "latest_checkpoint": ckpt.read_pointer(root, "latest"),
         "best_checkpoint": ckpt.read_pointer(root, "best"), "completed": st.step >= s.total_steps,
+        "downstream": run_downstream(s),  # the latest downstream scores (train.json downstream_tasks), or None
     }
     if s.rt.is_main and s.run.train.eval_interval and tokens:  # nothing new to draw for a complete run
         write_loss_chart(s.run.run_dir)

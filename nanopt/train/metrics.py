@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from nanopt.files import append_whole, replace_file, replacing
 from nanopt.rundir import RunDir
 from nanopt.train.records import metrics_lines, parse_record, read_records
+from nanopt.train.task_curves import draw_task_accuracy
 
 if TYPE_CHECKING:
     from nanopt.train.sinks import Sinks
@@ -147,6 +148,7 @@ def loss_chart(run_dir: Path) -> Any:
     ax.plot(*train, label="train", linewidth=1)
     if val[0]:
         ax.plot(*val, "o-", label="val")
+    draw_task_accuracy(ax, records)  # downstream tasks (train.json downstream_tasks), on a right-hand axis
     for event, tokens in event_marks(records).items():
         label, color, style = CHART_EVENTS[event]
         for i, x in enumerate(tokens):  # one legend entry per kind of event

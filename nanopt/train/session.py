@@ -62,6 +62,7 @@ class Session:
     pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
     checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
+    downstream_last: tuple[int, float] | None = None  # (step, seconds) of the latest downstream scoring
 
     @property
     def state(self) -> Counters:
