@@ -1,0 +1,260 @@
+"""Data mixtures (train.json `data` with several datasets and weights, `data_phases`): the shares the loader reads,
+epochs per source, phase changes, exact resume after SIGKILL and on another world size, per-source validation, and
+the one-line errors of a bad mixture."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clihelp import assert_user_error
+from conftest import TINY_SETTINGS, english_like_documents, write_jsonl
+from faulthelp import Launcher, tiny_run, tree_digest
+from trainhelp import eval_losses, losses, make_run
+
+from nanopt.config import load_run
+from nanopt.data.mixture import MixtureLoader, open_run_data
+from nanopt.train import checkpoint as ckpt
+from nanopt.train.schedule import lr_at
+
+WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
+# Stated tolerance: in every window of 100 consecutive steps (and over the run) each source's share of the samples
+# is within half a percentage point of its weight. The interleave's bound is 2 samples in any window: 0.125% of the
+# 1,600 samples of 100 steps here.
+SHARE_TOLERANCE = 0.005
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict[str, Path]:
+    """web (~108k train tokens), code (~30k) and math (~14k), all with tiny_dataset's tokenizer."""
+    from nanopt.data.pipeline import build_dataset
+
+    root = tmp_path_factory.mktemp("mixture")
+    made = {"web": tiny_dataset}
+    for name, documents, seed in (("code", 150, 1), ("math", 60, 2)):
+        corpus = write_jsonl(root / f"{name}.jsonl", english_like_documents(documents, seed=seed))
+        settings = {key: value for key, value in TINY_SETTINGS.items() if key != "vocab_size"}
+        build_dataset(root / name, str(corpus), tokenizer=str(tiny_dataset), **settings)
+        made[name] = root / name
+    return made
+
+
+def mixture(sources: dict[str, Path], weights: dict[str, float] = WEIGHTS) -> dict[str, dict]:
+    return {name: {"path": str(sources[name]), "weight": weight} for name, weight in weights.items()}
+
+
+def loader_for(run: Path, rank: int, world_size: int, grad_accum: int) -> MixtureLoader:
+    config = load_run(run)
+    return MixtureLoader(open_run_data(config), "train", config.seq_len, config.train.micro_batch_size, grad_accum,
+                         rank, world_size, config.train.seed)
+
+
+class WindowIndex:
+    """Which (source, window) a batch row is, found by its tokens: the test reads what the loader hands out."""
+
+    def __init__(self, sources: dict[str, Path], seq_len: int) -> None:
+        from nanopt.data.dataset import TokenDataset
+
+        self.where: dict[bytes, tuple[str, int]] = {}
+        self.windows: dict[str, int] = {}
+        for name in WEIGHTS:
+            stream = TokenDataset.open(sources[name]).stream("train")
+            count = (stream.total - 1) // seq_len
+            rows = stream.windows(np.arange(count, dtype=np.int64) * seq_len, seq_len + 1)
+            self.windows[name] = count
+            for window, row in enumerate(rows):
+                self.where.setdefault(row.tobytes(), (name, window))
+
+    def rows(self, inputs, targets) -> list[tuple[str, int]]:
+        whole = np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1)
+        return [self.where[row.tobytes()] for row in whole]
+
+
+def read_steps(loaders: list[MixtureLoader], steps: int, index: WindowIndex) -> list[list[tuple[str, int]]]:
+    """Each step's samples in global order (micro-step, then rank), as every rank's loader hands them out."""
+    out = []
+    for _ in range(steps):
+        samples = []
+        for _ in range(loaders[0].grad_accum):
+            for loader in loaders:
+                samples += index.rows(*loader.next_batch())
+        out.append(samples)
+    return out
+
+
+def test_every_window_of_100_steps_holds_each_source_at_its_weight_and_no_window_repeats_within_an_epoch(
+        tmp_path: Path, sources: dict[str, Path]):
+    # 2 ranks x micro-batch 4 x accumulation 2: 16 samples a step, 4,800 in 300 steps; code (947 windows) and math
+    # (444) are read into their second epoch.
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), max_steps=300, global_batch_tokens=16 * 32)
+    index = WindowIndex(sources, 32)
+    steps = read_steps([loader_for(run, rank, 2, 2) for rank in range(2)], 300, index)
+    for first in range(0, 300 - 100 + 1):
+        window = [name for step in steps[first:first + 100] for name, _ in step]
+        for name, weight in WEIGHTS.items():
+            assert abs(window.count(name) / len(window) - weight) <= SHARE_TOLERANCE, (first, name)
+    read = [sample for step in steps for sample in step]
+    for name, weight in WEIGHTS.items():
+        assert abs(sum(1 for source, _ in read if source == name) / len(read) - weight) <= SHARE_TOLERANCE
+        order = [window for source, window in read if source == name]
+        size = index.windows[name]
+        for start in range(0, len(order), size):  # each epoch of the source reads each window at most once ...
+            epoch = order[start:start + size]
+            assert len(set(epoch)) == len(epoch), (name, start // size)
+        if len(order) >= size:  # ... and a whole epoch reads every window once
+            assert sorted(order[:size]) == list(range(size))
+    assert len(order) > index.windows["math"]  # math did start its second epoch, in a new order
+    assert order[index.windows["math"]:] != order[:len(order) - index.windows["math"]]
+
+
+def test_resume_on_another_world_size_reads_the_same_samples(tmp_path: Path, sources: dict[str, Path]):
+    phases = [{"from": 30, "mixture": {"math": 1, "code": 3}}]
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases, max_steps=80,
+                   global_batch_tokens=16 * 32)
+    index = WindowIndex(sources, 32)
+    straight = read_steps([loader_for(run, 0, 1, 4)], 60, index)
+    two = [loader_for(run, rank, 2, 2) for rank in range(2)]
+    first = read_steps(two, 23, index)
+    state = json.loads(json.dumps(two[0].state_dict()))  # through JSON, as meta.json carries it
+    four = [loader_for(run, rank, 4, 1) for rank in range(4)]
+    for loader in four:
+        loader.load_state_dict(state)
+    assert first + read_steps(four, 37, index) == straight
+
+
+def test_a_phase_starts_at_its_step_and_decay_ties_it_to_the_wsd_decay(tmp_path: Path, sources: dict[str, Path]):
+    phases = [{"from": "decay", "mixture": {"web": 1, "math": 1}}]
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases, max_steps=40,
+                   lr_schedule="wsd", decay_fraction=0.25, global_batch_tokens=16 * 32)
+    config = load_run(run)
+    peak = config.train.learning_rate
+    # The decay's first step is the last at the peak: the linear decay starts from it (schedule.lr_at).
+    decay = next(step for step in range(40) if step >= config.train.warmup_steps
+                 and lr_at(step, 40, config.train) < peak) - 1
+    assert decay == 29
+    index = WindowIndex(sources, 32)
+    steps = read_steps([loader_for(run, 0, 1, 4)], 40, index)
+    with_code = [step for step, samples in enumerate(steps) if any(name == "code" for name, _ in samples)]
+    assert with_code == list(range(decay))  # code is in every step of the first phase, in none from the decay on
+    after = [name for samples in steps[decay:] for name, _ in samples]
+    assert after.count("web") == after.count("math")
+
+
+def test_per_source_validation_losses_average_to_val_loss(tmp_path: Path, sources: dict[str, Path],
+                                                          launcher: Launcher):
+    run = tiny_run(tmp_path, sources["web"], "run", data=mixture(sources), max_steps=4, eval_interval=2)
+    summary = json.loads(launcher.train(run, "--json").stdout)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    for record in evals:
+        parts = record["sources"]
+        assert sorted(parts) == sorted(WEIGHTS)
+        tokens = sum(part["val_tokens"] for part in parts.values())
+        mean = sum(part["val_loss"] * part["val_tokens"] for part in parts.values()) / tokens
+        assert record["val_tokens"] == tokens and record["val_loss"] == pytest.approx(mean, rel=1e-12)
+        assert len({part["val_loss"] for part in parts.values()}) == 3  # each scored on its own split
+    trains = [r for r in records if r["kind"] == "train"]
+    assert sum(part["tokens"] for part in trains[-1]["sources"].values()) == trains[-1]["tokens"]
+    assert summary["sources"]["math"]["val_loss"] == evals[-1]["sources"]["math"]["val_loss"]
+    assert summary["sources"]["web"]["weight"] == pytest.approx(0.7)
+
+
+def _source_tokens(run: Path) -> dict[int, dict[str, int]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {name: part["tokens"] for name, part in r["sources"].items()}
+            for r in records if r["kind"] == "train"}
+
+
+def _kill_at(launcher: Launcher, run: Path, step: int) -> None:
+    """SIGKILL the run as it reads step `step`, once the checkpoint before it (every 2 steps) is published."""
+    saved = f"step-{(step - 1) // 2 * 2:06d}"
+    child = launcher.start("train", run, "--no-live", kill_at_step={
+        "step": step, "checkpoints": str(run / "checkpoints"), "latest": saved})
+    assert launcher.wait(child) == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+@pytest.mark.slow
+def test_sigkills_and_a_resume_on_two_ranks_give_the_uninterrupted_run(tmp_path: Path, sources: dict[str, Path],
+                                                                      launcher: Launcher):
+    """Killed twice at random steps and resumed on 1 process: the same losses bit for bit, the same tokens per
+    source; resumed instead on 2 gloo ranks: the same tokens per source and the same losses up to summation order.
+    The phase starts at step 20 in all of them."""
+    train = {"data": mixture(sources), "data_phases": [{"from": 0.5, "mixture": {"web": 1, "math": 1}}],
+             "eval_interval": 10}
+    straight, killed = (tiny_run(tmp_path, sources["web"], name, **train) for name in ("straight", "killed"))
+    launcher.train(straight)
+    chance = random.Random()
+    first = chance.randint(5, 19)
+    second = chance.randint(first + 3, 37)
+    _kill_at(launcher, killed, first)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(killed, elsewhere)
+    _kill_at(launcher, killed, second)
+    launcher.train(killed)
+    a, b = losses(straight), losses(killed)
+    assert a == b, (first, second)
+    assert eval_losses(straight) == eval_losses(killed)
+    tokens = _source_tokens(straight)
+    assert _source_tokens(killed) == tokens
+    # 4 samples of 16 tokens a step; 7:2:1 until step 20 (80 samples, 16 of code), then web and math alone.
+    assert {step: tokens[step]["code"] for step in range(20, 41)} == dict.fromkeys(range(20, 41), 16 * 16)
+    assert tokens[40]["web"] - tokens[20]["web"] == tokens[40]["math"] - tokens[20]["math"] == 40 * 16
+    launcher.train(elsewhere, "--nproc-per-node", "2")
+    assert _source_tokens(elsewhere) == tokens
+    c = losses(elsewhere)
+    assert sorted(c) == sorted(a) and max(abs(a[s] - c[s]) for s in a) <= 1e-5, (first, a, c)
+    assert ckpt.read_pointer(elsewhere / "checkpoints", "latest") == "step-000040"
+
+
+# ------------------------------------------------------------------------------------------------ bad mixtures
+
+
+def _train_json(run: Path, **changes) -> None:
+    config = json.loads((run / "train.json").read_text())
+    (run / "train.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize(("weights", "fragments"), [
+    ({"web": -0.5, "code": 0.5}, ("source 'web'", "weight -0.5 is not positive")),
+    ({"web": 0, "code": 1}, ("source 'web'", "weight 0 is not positive")),
+    ({"web": "lots", "code": 1}, ("source 'web'", "weight 'lots' is not a number")),
+    ({"web": float("nan"), "code": 1}, ("source 'web'", "is not a number")),
+])
+def test_a_bad_weight_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process, weights, fragments):
+    run = make_run(tmp_path, sources["web"])
+    _train_json(run, data={name: {"path": str(sources[name]), "weight": w} for name, w in weights.items()})
+    assert_user_error(cli_in_process("train", run, "--no-live"), "train.json", "key 'data'", *fragments)
+    assert tree_digest(run / "checkpoints") == {} and not (run / "metrics.jsonl").exists()
+
+
+def test_an_unknown_source_in_a_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process):
+    run = make_run(tmp_path, sources["web"], data=mixture(sources),
+                   data_phases=[{"from": 0.8, "mixture": {"web": 1, "maths": 1}}])
+    assert_user_error(cli_in_process("train", run, "--no-live"), "data_phases[0]", "unknown source 'maths'",
+                      "web, code, math")
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_missing_source_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process):
+    run = make_run(tmp_path, sources["web"], data={str(sources["web"]): 0.5, "../nowhere/code": 0.5})
+    assert_user_error(cli_in_process("train", run, "--no-live"), "dataset directory not found",
+                      "'../nowhere/code', relative to the run directory")
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_mismatched_tokenizers_are_one_line_naming_both(tmp_path: Path, sources: dict[str, Path], tiny_corpus: Path,
+                                                        cli_in_process):
+    from nanopt.data.pipeline import build_dataset
+
+    other = tmp_path / "other"
+    build_dataset(other, str(tiny_corpus), **{**TINY_SETTINGS, "vocab_size": 300})
+    run = make_run(tmp_path, sources["web"], data={str(sources["web"]): 0.5, str(other): 0.5})
+    assert_user_error(cli_in_process("train", run, "--no-live"), f"{other}: tokenized with another tokenizer than "
+                      f"{sources['web']}")
+    assert not (run / "metrics.jsonl").exists()
