@@ -24,9 +24,10 @@ from nanopt.train.schedule import lr_at
 
 WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
 # Stated tolerance: in every window of 100 consecutive steps (and over the run) each source's share of the samples
-# is within half a percentage point of its weight. The interleave's bound is 2 samples in any window: 0.125% of the
-# 1,600 samples of 100 steps here.
+# is within half a percentage point of its weight. The interleave's bound is 2 samples in any window of samples
+# (nanopt.data.interleave): 0.125% of the 1,600 samples of 100 steps here, and it is tested on short windows too.
 SHARE_TOLERANCE = 0.005
+SAMPLE_TOLERANCE = 2
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +102,23 @@ def test_every_window_of_100_steps_holds_each_source_at_its_weight_and_no_window
     read = [sample for step in steps for sample in step]
     for name, weight in WEIGHTS.items():
         assert abs(sum(1 for source, _ in read if source == name) / len(read) - weight) <= SHARE_TOLERANCE
+        before = np.concatenate([[0], np.cumsum([source == name for source, _ in read])])
+        for length in range(1, 49):  # every run of 1 to 48 consecutive samples, wherever it starts
+            assert np.abs(before[length:] - before[:-length] - length * weight).max() < SAMPLE_TOLERANCE, length
+    assert_each_epoch_reads_each_window_once(read, index)
+    math = [window for source, window in read if source == "math"]
+    assert len(math) > index.windows["math"]  # math did start its second epoch, in a new order
+    assert math[index.windows["math"]:] != math[:len(math) - index.windows["math"]]
+
+
+def assert_each_epoch_reads_each_window_once(read: list[tuple[str, int]], index: WindowIndex) -> None:
+    for name, size in index.windows.items():
         order = [window for source, window in read if source == name]
-        size = index.windows[name]
         for start in range(0, len(order), size):  # each epoch of the source reads each window at most once ...
             epoch = order[start:start + size]
             assert len(set(epoch)) == len(epoch), (name, start // size)
-        if len(order) >= size:  # ... and a whole epoch reads every window once
-            assert sorted(order[:size]) == list(range(size))
-    assert len(order) > index.windows["math"]  # math did start its second epoch, in a new order
-    assert order[index.windows["math"]:] != order[:len(order) - index.windows["math"]]
+            if len(epoch) == size:  # ... and a whole epoch reads every window
+                assert sorted(epoch) == list(range(size))
 
 
 def test_resume_on_another_world_size_reads_the_same_samples(tmp_path: Path, sources: dict[str, Path]):
@@ -125,6 +134,7 @@ def test_resume_on_another_world_size_reads_the_same_samples(tmp_path: Path, sou
     for loader in four:
         loader.load_state_dict(state)
     assert first + read_steps(four, 37, index) == straight
+    assert_each_epoch_reads_each_window_once([sample for step in straight for sample in step], index)
 
 
 def test_a_phase_starts_at_its_step_and_decay_ties_it_to_the_wsd_decay(tmp_path: Path, sources: dict[str, Path]):
