@@ -173,6 +173,16 @@ def test_per_source_validation_losses_average_to_val_loss(tmp_path: Path, source
     assert sum(part["tokens"] for part in trains[-1]["sources"].values()) == trains[-1]["tokens"]
     assert summary["sources"]["math"]["val_loss"] == evals[-1]["sources"]["math"]["val_loss"]
     assert summary["sources"]["web"]["weight"] == pytest.approx(0.7)
+    evaluated = launcher.run("eval", run, "--no-samples", "--tokens", "all", "--json")
+    assert evaluated.status == 0, evaluated.stderr
+    result = json.loads((run / "eval.json").read_text())
+    parts = result["sources"]
+    assert {name: part["dataset"] for name, part in parts.items()} == {name: str(sources[name]) for name in WEIGHTS}
+    tokens = sum(part["tokens"] for part in parts.values())
+    assert result["tokens"] == tokens == sum(json.loads((sources[name] / "meta.json").read_text())["splits"]["test"]
+                                             ["tokens"] - 1 for name in WEIGHTS)  # every source's whole test split
+    mean = sum(part["test_loss"] * part["tokens"] for part in parts.values()) / tokens
+    assert result["test_loss"] == pytest.approx(mean, rel=1e-12)
 
 
 def _source_tokens(run: Path) -> dict[int, dict[str, int]]:

@@ -58,6 +58,9 @@ class MixtureData:
     def tokenizer(self) -> Any:
         return self.datasets[0].tokenizer()
 
+    def dataset_of(self, name: str) -> TokenDataset:
+        return self.datasets[self.names.index(name)]
+
     def split_tokens(self, split: str) -> int:
         return sum(dataset.split_tokens(split) for dataset in self.datasets)
 
@@ -231,6 +234,11 @@ class MixtureEvalBatches(Sequence):
 
     def __len__(self) -> int:
         return int(self._ends[-1])
+
+    @property
+    def targets(self) -> int:
+        """Targets scored over all ranks and sources."""
+        return sum(batches.targets for _, batches in self.parts)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         if not -len(self) <= index < len(self):
