@@ -232,6 +232,36 @@ def test_sigkills_and_a_resume_on_two_ranks_give_the_uninterrupted_run(tmp_path:
     assert ckpt.read_pointer(elsewhere / "checkpoints", "latest") == "step-000040"
 
 
+def test_estimate_shows_what_each_source_gives_and_flags_one_too_small(tmp_path: Path, sources: dict[str, Path],
+                                                                       cli_in_process):
+    # 2,000 steps of 256 tokens: math (10%, 14k train tokens) is read 3.6 times, over the warning set at 3.5; web and
+    # code ~3.3 times, short but under it.
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), max_steps=2000, data_epochs_warning=3.5)
+    result = cli_in_process("estimate", run, "--json")
+    assert result.returncode == 0, result.stderr
+    plans = {plan["name"]: plan for plan in json.loads(result.stdout)["sources"]}
+    assert sum(plan["run_tokens"] for plan in plans.values()) == 2000 * 256
+    for name, weight in WEIGHTS.items():
+        assert plans[name]["run_tokens"] == round(weight * 2000 * 256)
+        split = json.loads((sources[name] / "meta.json").read_text())["splits"]["train"]["tokens"]
+        assert plans[name]["epochs"] == pytest.approx(plans[name]["run_tokens"] / ((split - 1) // 32 * 32))
+    assert [name for name, plan in plans.items() if plan["too_small"]] == ["math"]
+    assert [name for name, plan in plans.items() if plan["short"]] == ["web", "code", "math"]
+    shown = cli_in_process("estimate", run)
+    assert "source math would be read 3.60 times (data_epochs_warning 3.5)" in " ".join(shown.stdout.split())
+
+
+def test_chinchilla_for_one_source_of_a_mixture_is_its_share(tmp_path: Path, sources: dict[str, Path]):
+    from nanopt.data.budget import chinchilla_train_tokens
+
+    run = make_run(tmp_path, sources["web"], data=mixture(sources))
+    whole = chinchilla_train_tokens(run)
+    shares = {name: chinchilla_train_tokens(run, sources[name]) for name in WEIGHTS}
+    for name, weight in WEIGHTS.items():  # one pass over its samples: its share of the windows, plus one token
+        assert shares[name] - 1 == pytest.approx(weight * (whole - 1), abs=32)
+    assert chinchilla_train_tokens(run, tmp_path / "elsewhere") == whole
+
+
 # ------------------------------------------------------------------------------------------------ bad mixtures
 
 

@@ -32,3 +32,24 @@ def source_tables(summary: dict[str, Any]) -> list[Table]:
         table.add_row(escape(name), f"{figures['weight']:.3f}", fmt.count(figures["tokens"]),
                       f"{figures['epochs']:.2f}", loss)
     return [table]
+
+
+def plan_table(plans: list[dict[str, Any]], title: str) -> Table:
+    """nanopt.data.mixture_plan's records: what the run reads from each source, and whether each holds it."""
+    table = Table(title=escape(title), title_justify="left")
+    for column in ("source", "weight", "run reads", "one pass needs", "train split", "epochs", ""):
+        table.add_column(column, justify="left" if column in ("source", "") else "right")
+    for plan in plans:
+        verdict = ("too small" if plan["too_small"] else "short: repeats" if plan["short"] else
+                   "not tokenized yet" if plan["split_tokens"] is None else "enough")
+        epochs = "-" if plan["epochs"] is None else f"{plan['epochs']:.2f}"
+        table.add_row(escape(plan["name"]), f"{plan['weight']:.3f}", fmt.count(plan["run_tokens"]),
+                      fmt.count(plan["tokens_needed"]), fmt.count(plan["split_tokens"]), epochs, verdict)
+    return table
+
+
+def plan_warnings(plans: list[dict[str, Any]], limit: float) -> list[str]:
+    """One line per source read more than `limit` times (data_epochs_warning), saying what to do."""
+    return [f"source {plan['name']} would be read {plan['epochs']:.2f} times (data_epochs_warning {limit:g}): "
+            f"tokenize at least {fmt.count(plan['tokens_needed'])} train tokens into {plan['path']}, or lower its "
+            "weight" for plan in plans if plan["too_small"] and plan["epochs"] is not None]
