@@ -121,6 +121,25 @@ def assert_each_epoch_reads_each_window_once(read: list[tuple[str, int]], index:
                 assert sorted(epoch) == list(range(size))
 
 
+def test_a_token_id_past_the_vocabulary_in_one_source_is_a_data_error_naming_its_shard(tmp_path: Path,
+                                                                                      sources: dict[str, Path]):
+    from nanopt.errors import DataError
+
+    bad = tmp_path / "math"
+    shutil.copytree(sources["math"], bad)
+    shard = sorted((bad / "train").glob("*.npy"))[-1]
+    tokens = np.load(shard, mmap_mode="r+")
+    tokens[:] = 600  # past the vocabulary of 512; meta.json's checksums are not checked below (as for a large set)
+    tokens.flush()
+    del tokens
+    run = make_run(tmp_path, sources["web"], data=mixture({**sources, "math": bad}), global_batch_tokens=16 * 32)
+    config = load_run(run)
+    data = open_run_data(config, verify_up_to_bytes=0)
+    with pytest.raises(DataError) as raised:
+        MixtureLoader(data, "train", 32, 4, 4, 0, 1, 7)
+    assert "token id 600 at step 1" in raised.value.message and str(shard) in raised.value.message
+
+
 def test_resume_on_another_world_size_reads_the_same_samples(tmp_path: Path, sources: dict[str, Path]):
     phases = [{"from": 30, "mixture": {"math": 1, "code": 3}}]
     run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases, max_steps=80,

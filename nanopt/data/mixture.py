@@ -22,6 +22,7 @@ from nanopt.config.mixture import Mixture
 from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, TokenDataset, open_run_dataset
 from nanopt.data.interleave import Interleave
 from nanopt.data.loader import (  # with the single-dataset loader's own steps
+    CHECK_CHUNK_TOKENS,
     EvalBatches,
     TrainLoader,
     _check_layout,
@@ -113,6 +114,8 @@ class MixtureLoader(TrainLoader):
         self._seeds = [_source_seed(seed, name) for name in data.names]
         self._permutations: dict[int, tuple[int, FeistelPermutation]] = {}  # source: (epoch, its permutation)
         self.step, self.micro_step, self._checked_step, self._read_ahead = 0, 0, -1, None
+        self._located: tuple[int, np.ndarray, np.ndarray] | None = None  # (step, sources, starts) of its samples
+        self._limits = np.array([dataset.id_limit for dataset in data.datasets], dtype=np.int64)
         self._check_step()
 
     # ------------------------------------------------------------------ accounting
@@ -143,8 +146,18 @@ class MixtureLoader(TrainLoader):
 
     def _starts(self) -> tuple[np.ndarray, np.ndarray]:
         """(source, token offset in its split) of each sample of the next micro-batch."""
-        first = self._first_sample()
-        return self._locate(np.arange(first, first + self.micro_batch_size, dtype=np.int64))
+        sources, starts = self._step_samples()
+        offset = self._first_sample() - self.step * self.samples_per_step
+        return sources[offset:offset + self.micro_batch_size], starts[offset:offset + self.micro_batch_size]
+
+    def _step_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, token offset) of every sample of the current step, all ranks', found once per step: the
+        lookups are a few small NumPy operations each, which per micro-batch would cost more than the reads."""
+        if self._located is None or self._located[0] != self.step:
+            first = self.step * self.samples_per_step
+            self._located = (self.step, *self._locate(np.arange(first, first + self.samples_per_step,
+                                                                dtype=np.int64)))
+        return self._located[1], self._located[2]
 
     def _locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sources, indices = self.interleave.locate(samples)
@@ -167,20 +180,29 @@ class MixtureLoader(TrainLoader):
         return cached[1]
 
     def _read(self, located: tuple[np.ndarray, np.ndarray], pin_memory: bool) -> tuple[Any, Any]:
-        sources, starts = located
+        return _to_tensors(self._windows_of(*located), pin_memory)
+
+    def _windows_of(self, sources: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Rows of seq_len + 1 tokens, row i from source sources[i] at starts[i] (a row at a time, as
+        TokenStream.windows reads one stream)."""
         windows = np.empty((len(starts), self.seq_len + 1), dtype=np.int64)
-        for source in np.unique(sources):
-            chosen = sources == source
-            windows[chosen] = self.streams[int(source)].windows(starts[chosen], self.seq_len + 1)
-        return _to_tensors(windows, pin_memory)
+        for row, (source, start) in enumerate(zip(sources.tolist(), starts.tolist(), strict=True)):
+            self.streams[source].read(start, windows[row])
+        return windows
 
     def _check_step(self) -> None:
-        """Every sample of the step, on every rank, against its source's id limit: the same DataError on all."""
-        first = self.step * self.samples_per_step
-        sources, starts = self._locate(np.arange(first, first + self.samples_per_step, dtype=np.int64))
-        for source in np.unique(sources):
-            check_token_ids(self.data.datasets[int(source)], self.split, self.streams[int(source)],
-                            starts[sources == source], self.seq_len + 1, f" at step {self.step + 1}")
+        """Every sample of the step, on every rank, against its source's id limit: the same DataError on all.
+        The step's windows are read once; a source with an id past its limit is read again by check_token_ids,
+        which names the shard and the offset."""
+        sources, starts = self._step_samples()
+        rows = max(1, CHECK_CHUNK_TOKENS // (self.seq_len + 1))
+        for first in range(0, len(starts), rows):
+            chosen = slice(first, first + rows)
+            bad = self._windows_of(sources[chosen], starts[chosen]).max(axis=1) >= self._limits[sources[chosen]]
+            for source in np.unique(sources[chosen][bad]):
+                check_token_ids(self.data.datasets[int(source)], self.split, self.streams[int(source)],
+                                starts[chosen][sources[chosen] == source], self.seq_len + 1,
+                                f" at step {self.step + 1}")
         self._checked_step = self.step
 
     # ------------------------------------------------------------------ position
