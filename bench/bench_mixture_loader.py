@@ -8,9 +8,10 @@ mixture reads three dataset directories of the same size, each through its own m
 0.2. Both loaders hand out the same number of micro-batches of the same shape: the single-dataset TrainLoader
 (nanopt.data.loader) and the MixtureLoader (nanopt.data.mixture), each doing all its per-step work (the token-id
 check of the step's samples, the window lookup, the reads and the tensors) in the calling thread, as training on
-the CPU does. Rounds alternate single / mixture and each round's loaders start where the last stopped, so the load
-of a shared machine falls on both alike; the figure is the median over rounds of mixture time / single time (1.00:
-as fast). Prints one line per round, then one JSON line with everything.
+the CPU does. Time is this process's CPU time (the loaders run in this thread alone), so other processes on a shared
+machine do not count; within a round the two loaders alternate every 10 steps, each going on where it stopped. The
+figure is the median over rounds of mixture time / single time (1.00: as fast). Prints one line per round, then one
+JSON line with everything.
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ def loaders(paths: list[Path], args: argparse.Namespace) -> tuple[object, object
 
 
 def timed(loader: object, steps: int) -> float:
-    started = time.perf_counter()
+    started = time.process_time()
     for _ in range(steps * loader.grad_accum):
         loader.next_batch()
-    return time.perf_counter() - started
+    return time.process_time() - started
+
+
+def alternating(single: object, mixed: object, steps: int) -> tuple[float, float]:
+    one = three = 0.0
+    for _ in range(0, steps, 10):
+        one += timed(single, 10)
+        three += timed(mixed, 10)
+    return one, three
 
 
 def main() -> None:
@@ -83,7 +92,7 @@ def main() -> None:
         timed(single, 5), timed(mixed, 5)  # first reads of the pages and the permutations
         rounds = []
         for number in range(args.rounds):
-            one, three = timed(single, args.steps), timed(mixed, args.steps)
+            one, three = alternating(single, mixed, args.steps)
             rounds.append({"single_s_per_step": one / args.steps, "mixture_s_per_step": three / args.steps,
                            "ratio": three / one})
             print(f"round {number + 1}: single {1e3 * one / args.steps:.3f} ms/step, mixture "

@@ -156,6 +156,28 @@ def test_resume_on_another_world_size_reads_the_same_samples(tmp_path: Path, sou
     assert_each_epoch_reads_each_window_once([sample for step in straight for sample in step], index)
 
 
+def test_a_resume_refuses_a_mixture_changed_before_its_step_and_takes_a_later_phase(tmp_path: Path,
+                                                                                    sources: dict[str, Path]):
+    from nanopt.errors import ResumeError
+
+    def loader(name: str, weights: dict[str, float], phases: list | None = None) -> MixtureLoader:
+        run = make_run(tmp_path, sources["web"], name, data=mixture(sources, weights), data_phases=phases,
+                       max_steps=80, global_batch_tokens=16 * 32)
+        return loader_for(run, 0, 1, 4)
+
+    saved = loader("saved", WEIGHTS)
+    for _ in range(10 * 4):
+        saved.next_batch()
+    state = json.loads(json.dumps(saved.state_dict()))
+    with pytest.raises(ResumeError, match="phases up to step 10 changed"):
+        loader("reweighted", {"web": 0.6, "code": 0.3, "math": 0.1}).load_state_dict(state)
+    with pytest.raises(ResumeError, match="sources were"):
+        loader("fewer", {"web": 0.7, "code": 0.3}).load_state_dict(state)
+    later = loader("later", WEIGHTS, [{"from": 20, "mixture": {"math": 1}}])
+    later.load_state_dict(state)  # a phase that starts after the checkpoint may be added
+    assert later.step == 10
+
+
 def test_a_phase_starts_at_its_step_and_decay_ties_it_to_the_wsd_decay(tmp_path: Path, sources: dict[str, Path]):
     phases = [{"from": "decay", "mixture": {"web": 1, "math": 1}}]
     run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases, max_steps=40,
