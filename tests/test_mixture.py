@@ -111,6 +111,45 @@ def test_every_window_of_100_steps_holds_each_source_at_its_weight_and_no_window
     assert math[index.windows["math"]:] != math[:len(math) - index.windows["math"]]
 
 
+def reads_on_this_rank(run: Path, sources: dict[str, Path], steps: int) -> list[list[tuple[str, int]]]:
+    """On a gloo rank: what this rank's loader hands out over `steps` steps, gathered from every rank (rank, then
+    micro-step) into each step's samples in global order."""
+    import torch.distributed as dist
+
+    from nanopt.runtime import ranks
+
+    place = ranks()
+    dist.init_process_group("gloo")
+    try:
+        loader = loader_for(run, place.rank, place.world_size, 2)
+        index = WindowIndex(sources, 32)
+        mine = [[index.rows(*loader.next_batch()) for _ in range(2)] for _ in range(steps)]
+        everyone: list = [None] * place.world_size
+        dist.all_gather_object(everyone, mine)
+    finally:
+        dist.destroy_process_group()
+    return [[sample for micro in range(2) for rank in everyone for sample in rank[step][micro]]
+            for step in range(steps)]
+
+
+@pytest.mark.slow  # two ranks that import torch and read 300 steps each: ~15 s of CPU
+def test_two_gloo_ranks_read_disjoint_samples_at_the_weights(tmp_path: Path, sources: dict[str, Path]):
+    from distributed import run_ranks
+    from trainhelp import HIDE_CUDA
+
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), max_steps=300, global_batch_tokens=16 * 32)
+    rank0, rank1 = run_ranks(reads_on_this_rank, run, sources, 300, env=HIDE_CUDA)
+    assert rank0 == rank1
+    read = [sample for step in rank0 for sample in step]
+    for first in range(0, 300 - 100 + 1):
+        window = [name for step in rank0[first:first + 100] for name, _ in step]
+        for name, weight in WEIGHTS.items():
+            assert abs(window.count(name) / len(window) - weight) <= SHARE_TOLERANCE, (first, name)
+    assert_each_epoch_reads_each_window_once(read, WindowIndex(sources, 32))
+    one_process = read_steps([loader_for(run, 0, 1, 4)], 300, WindowIndex(sources, 32))
+    assert rank0 == one_process  # and the same samples, step by step, as one process with 4 micro-steps
+
+
 def assert_each_epoch_reads_each_window_once(read: list[tuple[str, int]], index: WindowIndex) -> None:
     for name, size in index.windows.items():
         order = [window for source, window in read if source == name]
