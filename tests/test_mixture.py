@@ -363,6 +363,25 @@ def test_a_bad_weight_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_
     assert tree_digest(run / "checkpoints") == {} and not (run / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(("phases", "fragment"), [
+    ([{"from": 1.5, "mixture": {"web": 1}}], "neither a fraction in (0, 1), a step >= 1, nor \"decay\""),
+    ([{"from": 20, "mixture": {"web": 1}}], "'from' 20 is outside the run's steps 1 to 19"),
+    ([{"from": "decay", "mixture": {"web": 1}}], "needs \"lr_schedule\": \"wsd\""),
+    ([{"from": 0.5, "mixture": {"web": 1}}, {"from": 5, "mixture": {"code": 1}}], "not after data_phases[0]"),
+    ([{"from": 0.5, "mixture": {"web": 0}}], "weight 0 is not positive"),
+    ([{"from": 0.5}], "exactly 'from' and 'mixture'"),
+])
+def test_a_bad_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process, phases, fragment):
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases)
+    assert_user_error(cli_in_process("train", run, "--no-live"), "train.json", "data_phases", fragment)
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_phases_need_a_mixture(tmp_path: Path, sources: dict[str, Path], cli_in_process):
+    run = make_run(tmp_path, sources["web"], data_phases=[{"from": 0.5, "mixture": {"web": 1}}])
+    assert_user_error(cli_in_process("estimate", run), "key 'data_phases': phases need a mixture in 'data'")
+
+
 def test_an_unknown_source_in_a_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process):
     run = make_run(tmp_path, sources["web"], data=mixture(sources),
                    data_phases=[{"from": 0.8, "mixture": {"web": 1, "maths": 1}}])

@@ -91,13 +91,19 @@ def parse_sources(data: dict[str, Any], source: str) -> tuple[MixtureSource, ...
 
 
 def _check_weight(weight: Any, where: str) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+    value = math.nan
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool):
+        try:
+            value = float(weight)
+        except OverflowError:  # an integer of hundreds of digits
+            pass
+    if not math.isfinite(value):
         raise ConfigError(f"{where}: weight {show_value(weight)} is not a number",
                           "weights are relative shares, e.g. 0.7 and 0.3")
-    if weight <= 0:
+    if value <= 0:
         raise ConfigError(f"{where}: weight {show_value(weight)} is not positive",
                           "weights are relative shares above 0; leave a source out of a phase not to read it")
-    return float(weight)
+    return value
 
 
 def _refuse_repeated_paths(sources: list[MixtureSource], source: str) -> None:
@@ -147,13 +153,16 @@ def _phase_start(phase: Any, label: str, total_steps: int, decay_start: int | No
         step = decay_start
     elif isinstance(start, float) and 0 < start < 1:
         step = int(round(start * total_steps))
-    elif isinstance(start, (int, float)) and not isinstance(start, bool) and float(start).is_integer() and start >= 1:
+    elif isinstance(start, int) and not isinstance(start, bool) and start >= 1:
+        step = start
+    elif isinstance(start, float) and start.is_integer() and start >= 1:  # 9000.0; not inf or nan
         step = int(start)
     else:
         raise ConfigError(f"{where}: 'from' {show_value(start)} is neither a fraction in (0, 1), a step >= 1, nor "
                           "\"decay\"", example)
     if not 0 < step < total_steps:
-        raise ConfigError(f"{where}: 'from' {show_value(start)} is step {step}, outside the run's steps 1 to "
+        placed = "" if step == start else f" (step {step})"
+        raise ConfigError(f"{where}: 'from' {show_value(start)}{placed} is outside the run's steps 1 to "
                           f"{total_steps - 1}", "a phase must start after step 0 and before the last step")
     return step
 
