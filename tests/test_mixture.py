@@ -15,6 +15,8 @@ import pytest
 from clihelp import assert_user_error
 from conftest import TINY_SETTINGS, english_like_documents, write_jsonl
 from faulthelp import Launcher, tiny_run, tree_digest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from trainhelp import eval_losses, losses, make_run
 
 from nanopt.config import load_run
@@ -343,6 +345,38 @@ def test_chinchilla_for_one_source_of_a_mixture_is_its_share(tmp_path: Path, sou
 
 
 # ------------------------------------------------------------------------------------------------ bad mixtures
+
+_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(min_value=-(10**400), max_value=10**400),
+                               st.floats(), st.text(max_size=8)),
+                     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner,
+                                                                                         max_size=3)),
+                     max_leaves=8)
+_SOURCE = st.one_of(_JSON, st.fixed_dictionaries({"path": _JSON, "weight": _JSON}))
+_PHASE = st.one_of(_JSON, st.fixed_dictionaries({"from": st.one_of(_JSON, st.just("decay")),
+                                                 "mixture": st.dictionaries(st.sampled_from(["a", "b", "c"]), _JSON,
+                                                                            max_size=3)}))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.dictionaries(st.sampled_from(["a", "b", "", " ", "data/x"]), _SOURCE, max_size=3),
+       phases=st.one_of(st.none(), st.lists(_PHASE, max_size=3)))
+def test_any_mixture_is_taken_or_refused_in_one_line(tmp_path: Path, sources: dict[str, Path], data, phases):
+    """Whatever `data` and `data_phases` hold, loading the run gives a config or one ConfigError line that names
+    train.json, never another exception."""
+    from nanopt.errors import ConfigError
+
+    run = tmp_path / "fuzz"
+    if not run.exists():
+        make_run(tmp_path, sources["web"], "fuzz")
+    config = json.loads((run / "train.json").read_text())
+    (run / "train.json").write_text(json.dumps({**config, "data": data, "data_phases": phases}))
+    try:
+        loaded = load_run(run)
+    except ConfigError as error:
+        assert "\n" not in error.message and "train.json" in error.message, error.message
+        return
+    assert loaded.mixture is not None and len(loaded.mixture.sources) == len(data)
 
 
 def _train_json(run: Path, **changes) -> None:

@@ -183,7 +183,7 @@ class TrainConfig:
         _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "downstream_examples",
                                        "keep_checkpoints",
                                        "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
-                                       "recovery_confirm_steps", "max_recoveries"))
+                                       "recovery_confirm_steps", "max_recoveries", "data_epochs_warning"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
                                            "weight_decay", "seed", "recovery_skip_steps", "recovery_lr_steps"))
         if not (math.isfinite(self.recovery_lr_factor) and 0 < self.recovery_lr_factor <= 1):
@@ -223,7 +223,6 @@ class TrainConfig:
             _check_dataset_path(item.path, source, look_up_data)
         _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
         _check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
-        _check_range(self, source, "data_epochs_warning", 0, 1e12, "passes over a source, e.g. 4")
         if self.on_exit is not None and not self.on_exit.strip():
             raise ConfigError(f"{source}: key 'on_exit': the command is empty",
                               "give a shell command such as \"sudo shutdown -h now\", or remove the key")
