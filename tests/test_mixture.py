@@ -15,7 +15,7 @@ import pytest
 from clihelp import assert_user_error
 from conftest import TINY_SETTINGS, english_like_documents, write_jsonl
 from faulthelp import Launcher, tiny_run, tree_digest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from trainhelp import eval_losses, losses, make_run
 
@@ -346,8 +346,8 @@ def test_chinchilla_for_one_source_of_a_mixture_is_its_share(tmp_path: Path, sou
 
 # ------------------------------------------------------------------------------------------------ bad mixtures
 
-_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(min_value=-(10**400), max_value=10**400),
-                               st.floats(), st.text(max_size=8)),
+_EXTREMES = st.sampled_from([10**400, -(10**400), 2**63, 0, -1, 0.0, 1e-320, float("nan"), float("inf"), "decay"])
+_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8), _EXTREMES),
                      lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner,
                                                                                          max_size=3)),
                      max_leaves=8)
@@ -361,6 +361,10 @@ _PHASE = st.one_of(_JSON, st.fixed_dictionaries({"from": st.one_of(_JSON, st.jus
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.dictionaries(st.sampled_from(["a", "b", "", " ", "data/x"]), _SOURCE, max_size=3),
        phases=st.one_of(st.none(), st.lists(_PHASE, max_size=3)))
+@example(data={"a": 10**400}, phases=None)
+@example(data={"a": {"path": "x", "weight": -(10**400)}}, phases=None)
+@example(data={"a": 1, "b": 2}, phases=[{"from": 10**400, "mixture": {"a": 1}}])
+@example(data={"a": 1, "b": 2}, phases=[{"from": float("inf"), "mixture": {"b": 10**400}}])
 def test_any_mixture_is_taken_or_refused_in_one_line(tmp_path: Path, sources: dict[str, Path], data, phases):
     """Whatever `data` and `data_phases` hold, loading the run gives a config or one ConfigError line that names
     train.json, never another exception."""
