@@ -110,7 +110,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if origin in (dict, list):  # a JSON object or array whose contents the config's own validate() checks
         if isinstance(value, origin):
             return value
-        raise ConfigError(f"{where}: expected {_describe(annotation)}, got {show_value(value)}", "")
+        shape = "{\"key\": value, ...}" if origin is dict else "[item, ...]"
+        raise ConfigError(f"{where}: expected {_describe(annotation)}, got {show_value(value)}",
+                          f"write it as {shape}; see the README's train.json table")
     raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
 
 

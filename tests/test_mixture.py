@@ -1,6 +1,6 @@
 """Data mixtures (train.json `data` with several datasets and weights, `data_phases`): the shares the loader reads,
-epochs per source, phase changes, exact resume after SIGKILL and on another world size, per-source validation, and
-the one-line errors of a bad mixture."""
+epochs per source, phase changes, exact resume after SIGKILL and on another world size, per-source validation and
+test loss, and what estimate and tokenize plan (the one-line errors of a bad mixture: test_mixture_errors.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clihelp import assert_user_error
-from conftest import TINY_SETTINGS, english_like_documents, write_jsonl
-from faulthelp import Launcher, tiny_run, tree_digest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from faulthelp import Launcher, tiny_run
+from mixturehelp import WEIGHTS, mixture
 from trainhelp import eval_losses, losses, make_run
 
 from nanopt.config import load_run
@@ -24,7 +21,6 @@ from nanopt.data.mixture import MixtureLoader, open_run_data
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.schedule import lr_at
 
-WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
 # Stated tolerance: in every window of 100 consecutive steps (and over the run) each source's share of the samples
 # is within half a percentage point of its weight. The interleave's bound is 2 samples in any window of samples
 # (nanopt.data.interleave): 0.125% of the 1,600 samples of 100 steps here, and it is tested on short windows too.
@@ -32,23 +28,9 @@ SHARE_TOLERANCE = 0.005
 SAMPLE_TOLERANCE = 2
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict[str, Path]:
-    """web (~108k train tokens), code (~30k) and math (~14k), all with tiny_dataset's tokenizer."""
-    from nanopt.data.pipeline import build_dataset
-
-    root = tmp_path_factory.mktemp("mixture")
-    made = {"web": tiny_dataset}
-    for name, documents, seed in (("code", 150, 1), ("math", 60, 2)):
-        corpus = write_jsonl(root / f"{name}.jsonl", english_like_documents(documents, seed=seed))
-        settings = {key: value for key, value in TINY_SETTINGS.items() if key != "vocab_size"}
-        build_dataset(root / name, str(corpus), tokenizer=str(tiny_dataset), **settings)
-        made[name] = root / name
-    return made
-
-
-def mixture(sources: dict[str, Path], weights: dict[str, float] = WEIGHTS) -> dict[str, dict]:
-    return {name: {"path": str(sources[name]), "weight": weight} for name, weight in weights.items()}
+@pytest.fixture
+def sources(mixture_sources: dict[str, Path]) -> dict[str, Path]:
+    return mixture_sources
 
 
 def loader_for(run: Path, rank: int, world_size: int, grad_accum: int) -> MixtureLoader:
@@ -342,106 +324,3 @@ def test_chinchilla_for_one_source_of_a_mixture_is_its_share(tmp_path: Path, sou
     for name, weight in WEIGHTS.items():  # one pass over its samples: its share of the windows, plus one token
         assert shares[name] - 1 == pytest.approx(weight * (whole - 1), abs=32)
     assert chinchilla_train_tokens(run, tmp_path / "elsewhere") == whole
-
-
-# ------------------------------------------------------------------------------------------------ bad mixtures
-
-_EXTREMES = st.sampled_from([10**400, -(10**400), 2**63, 0, -1, 0.0, 1e-320, float("nan"), float("inf"), "decay"])
-_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8), _EXTREMES),
-                     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner,
-                                                                                         max_size=3)),
-                     max_leaves=8)
-_SOURCE = st.one_of(_JSON, st.fixed_dictionaries({"path": _JSON, "weight": _JSON}))
-_PHASE = st.one_of(_JSON, st.fixed_dictionaries({"from": st.one_of(_JSON, st.just("decay")),
-                                                 "mixture": st.dictionaries(st.sampled_from(["a", "b", "c"]), _JSON,
-                                                                            max_size=3)}))
-
-
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.dictionaries(st.sampled_from(["a", "b", "", " ", "data/x"]), _SOURCE, max_size=3),
-       phases=st.one_of(st.none(), st.lists(_PHASE, max_size=3)))
-@example(data={"a": 10**400}, phases=None)
-@example(data={"a": {"path": "x", "weight": -(10**400)}}, phases=None)
-@example(data={"a": 1, "b": 2}, phases=[{"from": 10**400, "mixture": {"a": 1}}])
-@example(data={"a": 1, "b": 2}, phases=[{"from": float("inf"), "mixture": {"b": 10**400}}])
-def test_any_mixture_is_taken_or_refused_in_one_line(tmp_path: Path, sources: dict[str, Path], data, phases):
-    """Whatever `data` and `data_phases` hold, loading the run gives a config or one ConfigError line that names
-    train.json, never another exception."""
-    from nanopt.errors import ConfigError
-
-    run = tmp_path / "fuzz"
-    if not run.exists():
-        make_run(tmp_path, sources["web"], "fuzz")
-    config = json.loads((run / "train.json").read_text())
-    (run / "train.json").write_text(json.dumps({**config, "data": data, "data_phases": phases}))
-    try:
-        loaded = load_run(run)
-    except ConfigError as error:
-        assert "\n" not in error.message and "train.json" in error.message, error.message
-        return
-    assert loaded.mixture is not None and len(loaded.mixture.sources) == len(data)
-
-
-def _train_json(run: Path, **changes) -> None:
-    config = json.loads((run / "train.json").read_text())
-    (run / "train.json").write_text(json.dumps({**config, **changes}))
-
-
-@pytest.mark.parametrize(("weights", "fragments"), [
-    ({"web": -0.5, "code": 0.5}, ("source 'web'", "weight -0.5 is not positive")),
-    ({"web": 0, "code": 1}, ("source 'web'", "weight 0 is not positive")),
-    ({"web": "lots", "code": 1}, ("source 'web'", "weight 'lots' is not a number")),
-    ({"web": float("nan"), "code": 1}, ("source 'web'", "is not a number")),
-])
-def test_a_bad_weight_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process, weights, fragments):
-    run = make_run(tmp_path, sources["web"])
-    _train_json(run, data={name: {"path": str(sources[name]), "weight": w} for name, w in weights.items()})
-    assert_user_error(cli_in_process("train", run, "--no-live"), "train.json", "key 'data'", *fragments)
-    assert tree_digest(run / "checkpoints") == {} and not (run / "metrics.jsonl").exists()
-
-
-@pytest.mark.parametrize(("phases", "fragment"), [
-    ([{"from": 1.5, "mixture": {"web": 1}}], "neither a fraction in (0, 1), a step >= 1, nor \"decay\""),
-    ([{"from": 20, "mixture": {"web": 1}}], "'from' 20 is outside the run's steps 1 to 19"),
-    ([{"from": "decay", "mixture": {"web": 1}}], "needs \"lr_schedule\": \"wsd\""),
-    ([{"from": 0.5, "mixture": {"web": 1}}, {"from": 5, "mixture": {"code": 1}}], "not after data_phases[0]"),
-    ([{"from": 0.5, "mixture": {"web": 0}}], "weight 0 is not positive"),
-    ([{"from": 0.5}], "exactly 'from' and 'mixture'"),
-])
-def test_a_bad_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process, phases, fragment):
-    run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=phases)
-    assert_user_error(cli_in_process("train", run, "--no-live"), "train.json", "data_phases", fragment)
-    assert not (run / "metrics.jsonl").exists()
-
-
-def test_phases_need_a_mixture(tmp_path: Path, sources: dict[str, Path], cli_in_process):
-    run = make_run(tmp_path, sources["web"], data_phases=[{"from": 0.5, "mixture": {"web": 1}}])
-    assert_user_error(cli_in_process("estimate", run), "key 'data_phases': phases need a mixture in 'data'")
-
-
-def test_an_unknown_source_in_a_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process):
-    run = make_run(tmp_path, sources["web"], data=mixture(sources),
-                   data_phases=[{"from": 0.8, "mixture": {"web": 1, "maths": 1}}])
-    assert_user_error(cli_in_process("train", run, "--no-live"), "data_phases[0]", "unknown source 'maths'",
-                      "web, code, math")
-    assert not (run / "metrics.jsonl").exists()
-
-
-def test_a_missing_source_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_in_process):
-    run = make_run(tmp_path, sources["web"], data={str(sources["web"]): 0.5, "../nowhere/code": 0.5})
-    assert_user_error(cli_in_process("train", run, "--no-live"), "dataset directory not found",
-                      "'../nowhere/code', relative to the run directory")
-    assert not (run / "metrics.jsonl").exists()
-
-
-def test_mismatched_tokenizers_are_one_line_naming_both(tmp_path: Path, sources: dict[str, Path], tiny_corpus: Path,
-                                                        cli_in_process):
-    from nanopt.data.pipeline import build_dataset
-
-    other = tmp_path / "other"
-    build_dataset(other, str(tiny_corpus), **{**TINY_SETTINGS, "vocab_size": 300})
-    run = make_run(tmp_path, sources["web"], data={str(sources["web"]): 0.5, str(other): 0.5})
-    assert_user_error(cli_in_process("train", run, "--no-live"), f"{other}: tokenized with another tokenizer than "
-                      f"{sources['web']}")
-    assert not (run / "metrics.jsonl").exists()
