@@ -221,9 +221,16 @@ def test_a_phase_starts_at_its_step_and_decay_ties_it_to_the_wsd_decay(tmp_path:
 
 def test_per_source_validation_losses_average_to_val_loss(tmp_path: Path, sources: dict[str, Path],
                                                           launcher: Launcher):
-    run = tiny_run(tmp_path, sources["web"], "run", data=mixture(sources), max_steps=4, eval_interval=2)
-    summary = json.loads(launcher.train(run, "--json").stdout)
+    # 4 steps of 4 samples of 16 tokens: math gives 2 of its 889 windows, 0.0022 epochs, over a warning at 0.002.
+    run = tiny_run(tmp_path, sources["web"], "run", data=mixture(sources), max_steps=4, eval_interval=2,
+                   data_epochs_warning=0.002)
+    trained = launcher.train(run, "--json")
+    summary = json.loads(trained.stdout)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "source math: 32 tokens over the run, 0.00 epochs of its train split" in trained.stderr
+    assert "sources read more than data_epochs_warning = 0.002 times: math 0.00 epochs" in trained.stderr
+    repeats = [r for r in records if r.get("event") == "source_repeats"]
+    assert [sorted(r["epochs"]) for r in repeats] == [["math"]]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4]
     for record in evals:
