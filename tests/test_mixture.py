@@ -144,6 +144,19 @@ def assert_each_epoch_reads_each_window_once(read: list[tuple[str, int]], index:
                 assert sorted(epoch) == list(range(size))
 
 
+def test_reading_ahead_hands_out_the_same_batches(tmp_path: Path, sources: dict[str, Path]):
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), data_phases=[{"from": 5, "mixture": {"math": 1}}],
+                   max_steps=12, global_batch_tokens=16 * 32)
+    plain, ahead = loader_for(run, 1, 2, 2), loader_for(run, 1, 2, 2)
+    ahead.prefetch()  # the next micro-batch read in a background thread (on a GPU, into pinned memory)
+    try:
+        for _ in range(12 * 2):
+            assert all((a == b).all() for a, b in zip(plain.next_batch(), ahead.next_batch(), strict=True))
+    finally:
+        ahead.close()
+    assert ahead.state_dict() == plain.state_dict()
+
+
 def test_a_token_id_past_the_vocabulary_in_one_source_is_a_data_error_naming_its_shard(tmp_path: Path,
                                                                                       sources: dict[str, Path]):
     from nanopt.errors import DataError
