@@ -107,6 +107,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{where}: expected a string, got {show_value(value)}", "put the value in double quotes")
+    if origin in (dict, list):  # a JSON object or array whose contents the config's own validate() checks
+        if isinstance(value, origin):
+            return value
+        shape = "{\"key\": value, ...}" if origin is dict else "[item, ...]"
+        raise ConfigError(f"{where}: expected {_describe(annotation)}, got {show_value(value)}",
+                          f"write it as {shape}; see the README's train.json table")
     raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
 
 
@@ -122,6 +128,8 @@ def _describe(annotation: Any) -> str:
         return " / ".join(json.dumps(a) for a in get_args(annotation))
     if get_origin(annotation) in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(annotation))
+    if get_origin(annotation) in (dict, list):
+        return "a JSON object" if get_origin(annotation) is dict else "a JSON list"
     return {int: "an integer", float: "a number", bool: "true / false", str: "a string",
             type(None): "null"}.get(annotation, str(annotation))
 

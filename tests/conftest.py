@@ -81,6 +81,14 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) ->
     return out
 
 
+@pytest.fixture(scope="session")
+def mixture_sources(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path) -> dict[str, Path]:
+    """web (tiny_dataset), code and math: three datasets with one tokenizer, for the data-mixture tests."""
+    from mixturehelp import build_sources
+
+    return build_sources(tmp_path_factory.mktemp("mixture"), tiny_dataset)
+
+
 @pytest.fixture
 def cli_in_process(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     """The CLI entry point run in this process: no torch import per call, so many cases stay fast."""

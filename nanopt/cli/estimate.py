@@ -12,6 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU
 
@@ -98,6 +99,10 @@ def estimate_command(
         gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
         tokens_per_param=chinchilla_ratio, params=params, tokens=tokens)
     report = estimate(run, opts)
+    if run is not None and run.mixture is not None:  # what each source of a mixture gives the run
+        from nanopt.data.mixture_plan import plan_records
+
+        report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
     for note in (report["gpu"]["note"], report["throughput_source"]["note"]):
         if note:  # on stderr, so that --json stdout stays one JSON object
             console(stderr=True).print(escape(f"note: {note}"), soft_wrap=True)
@@ -145,6 +150,10 @@ def render(r: dict[str, Any]) -> None:
     for label, value in rows:
         table.add_row(label, escape(value))  # the run's name, preflight.json's device and time
     out.print(table)
+    if r.get("sources"):
+        out.print(plan_table(r["sources"], "data mixture: tokens each source gives the run"))
+        for warning in plan_warnings(r["sources"], r["data_epochs_warning"]):
+            out.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     out.print(_memory_table(r))
     if r["parallelism"] is not None:
         _print_parallelism(r["parallelism"])

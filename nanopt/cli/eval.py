@@ -206,9 +206,11 @@ def _render_one(r: dict[str, Any]) -> None:
     table = Table(title=escape(title), show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
+    sources = r.get("sources") or {}  # a mixture: each source on its own test split
+    split = f"{len(sources)} sources" if sources else r["dataset"]
     rows = [
         ("checkpoint", r["checkpoint"]),
-        ("test split", f"{r['dataset']}: {r['tokens']:,} of {r['split_tokens']:,} tokens evaluated "
+        ("test split", f"{split}: {r['tokens']:,} of {r['split_tokens']:,} tokens evaluated "
                        f"({fmt.percent(r['tokens'] / r['split_tokens'])}), {r['bytes_per_token']:.3f} bytes per token"),
         ("test loss", f"{r['test_loss']:.4f} nats per token"),
         ("perplexity", f"{r['perplexity']:.2f}"),
@@ -219,6 +221,9 @@ def _render_one(r: dict[str, Any]) -> None:
         ("tokenizer", r["tokenizer_check"]),
         ("evaluated on", f"{r['world_size']} x {r['device']} {r['precision']} in {fmt.duration(r['eval_seconds'])}"),
     ]
+    rows[3:3] = [(f"  source {name}", f"{part['test_loss']:.4f} nats per token over {part['tokens']:,} tokens, "
+                                      f"{part['bits_per_byte']:.4f} bits per byte ({part['dataset']})")
+                 for name, part in sources.items()]
     for label, value in rows:
         table.add_row(label, escape(value))
     out.print(table)

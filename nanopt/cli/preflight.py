@@ -13,6 +13,7 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.find_batch import seconds
 from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_asked
+from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.runtime import ranks, under_torchrun
 from nanopt.shown import shell_word
 
@@ -144,6 +145,10 @@ def render(r: dict[str, Any]) -> None:
     out.print(_measured_table(r))
     out.print(_projection_table(r))
     out.print(_checks_table(r))
+    if r.get("sources"):
+        out.print(plan_table(r["sources"], "data mixture: tokens each source gives the run"))
+        for warning in plan_warnings(r["sources"], r["data_epochs_warning"]):
+            out.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     advice = r["micro_batch"]["advice"]
     if advice:
         out.print(f"[bold]find-batch picked micro-batch {r['micro_batch']['size']}[/] (train.json has "

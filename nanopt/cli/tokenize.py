@@ -12,6 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.mixture_display import plan_table
 
 EPILOG = """
 Examples:
@@ -98,12 +99,17 @@ def tokenize_command(
                     val_fraction=val_fraction, test_fraction=test_fraction,
                     val_tokens=None if val_tokens is None else parse_token_count(val_tokens, "--val-tokens"),
                     test_tokens=None if test_tokens is None else parse_token_count(test_tokens, "--test-tokens"),
-                    max_tokens=resolve_max_tokens(max_tokens, run_dir), max_tokens_as_given=max_tokens,
+                    max_tokens=resolve_max_tokens(max_tokens, run_dir, out), max_tokens_as_given=max_tokens,
                     run=None if run_dir is None else str(run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
                     on_decode_error=on_decode_error, force=force)
     with _progress() as reporter:
         summary = build_dataset(out, source, progress=reporter, **settings)
+    if run_dir is not None:  # a run on a mixture: what each source must hold, this one now made
+        from nanopt.config import load_run
+        from nanopt.data.mixture_plan import plan_records
+
+        summary["mixture_plan"] = plan_records(load_run(run_dir))
     if as_json:
         print_json(summary)
     else:
@@ -178,3 +184,5 @@ def render(s: dict[str, Any]) -> None:
         out.print(f"note: {escape(note)}")
     for warning in s["warnings"]:
         out.print(f"[yellow]warning:[/] {escape(warning)}")
+    if s.get("mixture_plan"):
+        out.print(plan_table(s["mixture_plan"], "the --run's data mixture: what each source must hold"))

@@ -14,6 +14,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
+from nanopt.cli.mixture_display import source_tables
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
 from nanopt.cli.train_display import Display
 from nanopt.errors import ConfigError, DistributedError
@@ -215,7 +216,8 @@ def _print_hook_result(result: Any) -> None:
 
 def _summary_table(s: dict[str, Any]) -> Group:
     """The run's outcome, then where its time and money went."""
-    return Group(_outcome_table(s), fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
+    return Group(_outcome_table(s), *source_tables(s),
+                 fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
 
 
 def _sessions(t: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from nanopt.cli import format as fmt
+from nanopt.cli.mixture_display import live_sources
 from nanopt.cli.terminal import SafeConsole
 from nanopt.shown import printable
 
@@ -48,7 +49,7 @@ class Display:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else (r.get("mfu_note") or "-")
         epoch = f"  epoch {r['epoch']:.2f}" if r["epoch"] > 1 else ""  # only once the run reads data again
         line = (f"step {r['step']}/{total_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}{epoch}  {_bill(r)}")
+                f"{r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  val {self.last_eval}{epoch}{live_sources(r)}  {_bill(r)}")
         self.console.print(line, markup=False, soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.task, completed=r["step"],

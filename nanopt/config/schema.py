@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from nanopt.config.mixture import Mixture, resolve_mixture, wsd_decay_start
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
 from nanopt.parsing import show_value
@@ -117,7 +118,9 @@ def _llama_intermediate(hidden: int) -> int:
 class TrainConfig:
     """Data, batch, optimizer, schedule, eval, checkpoint and runtime settings of a run."""
 
-    data: str  # dataset directory made by `nanopt tokenize`; a relative path is relative to the run directory
+    # The dataset directory made by `nanopt tokenize` (relative to the run directory unless absolute), or a mixture
+    # of several with weights, optionally changed by data_phases (nanopt.config.mixture).
+    data: str | dict[str, Any]
     micro_batch_size: int
     global_batch_tokens: int  # tokens per optimizer step across all ranks
     train_tokens: int | None = None  # token budget; or give max_steps
@@ -172,14 +175,17 @@ class TrainConfig:
     tensorboard: bool = False  # also log every metrics.jsonl record to runs/NAME/tensorboard/ (nanopt.train.sinks)
     wandb_project: str | None = None  # a W&B project name turns Weights & Biases logging on
     wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
+    data_phases: list[Any] | None = None  # a mixture per phase: [{"from": 0.9 | STEP | "decay", "mixture": {...}}]
+    data_epochs_warning: float = 4.0  # warn at start-up when a mixture's source would be read more often than this
 
     def validate(self, model: ModelConfig, source: str = "train.json", *, look_up_data: bool = True) -> None:
         # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
-        _check_dataset_path(self.data, source, look_up_data)
+        if isinstance(self.data, str):
+            _check_dataset_path(self.data, source, look_up_data)
         _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "downstream_examples",
                                        "keep_checkpoints",
                                        "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
-                                       "recovery_confirm_steps", "max_recoveries"))
+                                       "recovery_confirm_steps", "max_recoveries", "data_epochs_warning"))
         _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
                                            "weight_decay", "seed", "recovery_skip_steps", "recovery_lr_steps"))
         self._check_downstream_interval(source)
@@ -216,6 +222,8 @@ class TrainConfig:
                 f"raise it to a multiple of {tokens_per_micro} or lower micro_batch_size")
 
         self._check_optimizer(source)
+        for item in (self.mixture(source).sources if isinstance(self.data, dict) else ()):
+            _check_dataset_path(item.path, source, look_up_data)
         _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
         _check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
         if self.on_exit is not None and not self.on_exit.strip():
@@ -237,6 +245,18 @@ class TrainConfig:
         if not (math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0):
             raise ConfigError(f"{source}: key 'muon_learning_rate': must be positive, got {self.muon_learning_rate}",
                               "e.g. 0.02 (Muon's usual peak LR)")
+
+    @property
+    def total_steps(self) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return math.ceil(self.train_tokens / self.global_batch_tokens)
+
+    def mixture(self, source: str = "train.json") -> Mixture | None:
+        """`data` and `data_phases` as a mixture with its phases placed on steps; None for one dataset."""
+        decay = (wsd_decay_start(self.total_steps, self.warmup_steps, self.decay_fraction)
+                 if self.lr_schedule == "wsd" else None)
+        return resolve_mixture(self.data, self.data_phases, self.total_steps, decay, source)
 
     def resolved_seq_len(self, model: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.max_position_embeddings
@@ -260,8 +280,20 @@ class RunConfig:
     @property
     def data_dir(self) -> Path:
         """The dataset directory. A relative `data` is relative to the run directory, not to wherever the command
-        runs, so `nanopt train/eval/export runs/NAME` find the same dataset from any working directory."""
-        return self.run_dir / self.train.data  # an absolute `data` stays as it is
+        runs, so `nanopt train/eval/export runs/NAME` find the same dataset from any working directory. A mixture's
+        first source (all share one tokenizer); data_dirs has them all."""
+        return self.data_dirs[0]
+
+    @property
+    def data_dirs(self) -> list[Path]:
+        """Every dataset directory `data` names: one, or a mixture's in train.json's order."""
+        mixture = self.train.mixture()
+        paths = [self.train.data] if mixture is None else [item.path for item in mixture.sources]
+        return [self.run_dir / path for path in paths]  # an absolute path stays as it is
+
+    @property
+    def mixture(self) -> Mixture | None:
+        return self.train.mixture(str(self.run_dir / "train.json"))
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -285,9 +317,7 @@ class RunConfig:
 
     @property
     def total_steps(self) -> int:
-        if self.train.max_steps is not None:
-            return self.train.max_steps
-        return math.ceil(self.train.train_tokens / self.train.global_batch_tokens)
+        return self.train.total_steps
 
     @property
     def total_tokens(self) -> int:

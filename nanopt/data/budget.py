@@ -30,23 +30,33 @@ def tokens_to_train(run: RunConfig) -> int:
     return run.total_tokens + 1
 
 
-def chinchilla_train_tokens(run_dir: Path | str) -> int:
+def chinchilla_train_tokens(run_dir: Path | str, out: Path | str | None = None) -> int:
     """`--max-tokens chinchilla`: the tokens that training the run for its Chinchilla budget needs. That budget as
     train_tokens is rounded up to whole global batches, as `nanopt train` rounds it, plus the one extra token, so
-    a run whose train.json says train_tokens = 20 x parameters trains to its end on exactly this dataset."""
+    a run whose train.json says train_tokens = 20 x parameters trains to its end on exactly this dataset. For a
+    mixture whose source is `out` (the dataset being made): that source's share of it, over every phase."""
     run = load_run(run_dir)
     at_chinchilla = dataclasses.replace(run.train, train_tokens=_chinchilla_budget(run), max_steps=None)
-    return tokens_to_train(dataclasses.replace(run, train=at_chinchilla))
+    run = dataclasses.replace(run, train=at_chinchilla)
+    if out is not None and run.mixture is not None:
+        from nanopt.data.mixture_plan import plan_mixture
+
+        for plan in plan_mixture(run) or []:
+            if Path(plan.path).resolve() == Path(out).resolve():
+                return plan.tokens_needed
+    return tokens_to_train(run)
 
 
-def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None) -> int | None:
+def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None,
+                       out: Path | str | None = None) -> int | None:
     """The --max-tokens option: None (no budget), a count, or `chinchilla` (needs --run; a run given without it
-    still sets the held-out splits' defaults, nanopt.data.settings)."""
+    still sets the held-out splits' defaults, nanopt.data.settings). `out`: the dataset being made, which may be
+    one source of the run's mixture."""
     if text is None:
         return None
     if text.strip().lower() == "chinchilla":
         if run_dir is None:
             raise ConfigError("--max-tokens chinchilla needs --run, the run whose model sets the budget",
                               "add --run runs/NAME")
-        return chinchilla_train_tokens(run_dir)
+        return chinchilla_train_tokens(run_dir, out)
     return parse_token_count(text, "--max-tokens", _MAX_TOKENS_HINT)

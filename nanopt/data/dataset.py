@@ -45,23 +45,26 @@ VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at op
 VerifyProgress = Callable[[int, int], None]
 
 
-def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES) -> TokenDataset:
-    """The dataset train.json's `data` names, relative to the run directory; a missing one is a DataError that
-    names both the value in train.json and the path it was looked for at."""
-    if path_kind(run.data_dir, DataError, "give the dataset directory made by `nanopt tokenize`") == "missing":
-        relative = "" if Path(run.train.data).is_absolute() else ", relative to the run directory"
-        raise DataError(f"{run.data_dir}: dataset directory not found ({run.run_dir / 'train.json'} 'data': "
-                        f"{run.train.data!r}{relative})", _missing_data_hint(run))
-    return TokenDataset.open(run.data_dir, verify_up_to_bytes=verify_up_to_bytes)
+def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN_BYTES, path: Path | None = None,
+                     given: str | None = None) -> TokenDataset:
+    """The dataset train.json's `data` names (or one source of its mixture: `path` as resolved, `given` as written),
+    relative to the run directory; a missing one is a DataError that names both the value in train.json and the
+    path it was looked for at."""
+    path, given = (run.data_dir, run.train.data) if path is None else (path, given)
+    if path_kind(path, DataError, "give the dataset directory made by `nanopt tokenize`") == "missing":
+        relative = "" if Path(given).is_absolute() else ", relative to the run directory"
+        raise DataError(f"{path}: dataset directory not found ({run.run_dir / 'train.json'} 'data': "
+                        f"{given!r}{relative})", _missing_data_hint(run, path, given))
+    return TokenDataset.open(path, verify_up_to_bytes=verify_up_to_bytes)
 
 
-def _missing_data_hint(run: RunConfig) -> str:
-    data = Path(run.train.data)
+def _missing_data_hint(run: RunConfig, path: Path, given: str) -> str:
+    data = Path(given)
     if not data.is_absolute() and (data / "meta.json").is_file():
         # Written before data paths were relative to the run directory: it is there from the current directory.
         return (f"the dataset is at {data} from the current directory: write \"data\": "
                 f"\"{os.path.relpath(data, run.run_dir)}\" (or an absolute path) in train.json")
-    return f"make it with `nanopt tokenize SOURCE --out {shell_word(run.data_dir)}`, or correct 'data' in train.json"
+    return f"make it with `nanopt tokenize SOURCE --out {shell_word(path)}`, or correct 'data' in train.json"
 
 
 class TokenDataset:

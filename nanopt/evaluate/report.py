@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import MAX_MODEL_DIMENSION
-from nanopt.data.loader import EVAL_SLICE_VERSION, eval_batches
+from nanopt.data.loader import EVAL_SLICE_VERSION
+from nanopt.data.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.tasks.downstream import TaskOptions
@@ -43,7 +44,7 @@ from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
 from nanopt.train.phases import newest_per_session
 from nanopt.train.resume import data_fingerprint
-from nanopt.train.validation import evaluate_loss
+from nanopt.train.validation import evaluate_by_source
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU
@@ -132,8 +133,8 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     rt = with_tf32(replace(rt, precision=resolve_precision(trained.run.train.precision, rt.device)),
                    trained.run.train.tf32)
     micro_batch_size = opts.micro_batch_size or trained.run.train.micro_batch_size
-    batches = eval_batches(trained.dataset, SPLIT, trained.run.seq_len, micro_batch_size, rt.rank, rt.world_size,
-                           opts.tokens)
+    batches = run_eval_batches(trained.dataset, SPLIT, trained.run.seq_len, micro_batch_size, rt.rank,
+                               rt.world_size, opts.tokens)
     settings = eval_settings(trained, rt, opts, tokens=batches.targets)
     if opts.reuse:
         previous = broadcast_object(rt, previous_result(trained.checkpoint, settings) if rt.is_main else None)
@@ -142,19 +143,23 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
 
     model = _load(trained, rt)
     started = time.perf_counter()
-    loss = evaluate_loss(model, rt, _tracked(batches, progress, f"{run_dir} {trained.checkpoint.path.name}"))
+    progress.start(f"{run_dir} {trained.checkpoint.path.name}", len(batches))
+    try:  # a mixture: each source's test split in turn, one progress bar over them all
+        loss, by_source = evaluate_by_source(model, rt, batches, track=lambda part: _advancing(part, progress))
+    finally:
+        progress.stop()
     seconds = time.perf_counter() - started
     tasks = {**_tasks(model, rt, trained, opts, micro_batch_size), **_harness(rt, trained, opts, micro_batch_size)}
     samples = []
     if opts.samples and rt.is_main:
         samples = generate_samples(model, trained.tokenizer(), trained.eos_id, opts.samples)
-    bytes_per_token = trained.dataset.bytes_per_token(SPLIT)
+    bytes_per_token, sources = _by_source(trained.dataset, by_source.get("sources"))
     result = {
         "run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
         "notes": _notes(trained), "dataset": str(trained.dataset.path), "split": SPLIT,
         "test_loss": loss.loss, "perplexity": loss.perplexity,
         "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "tokens": loss.tokens,
-        "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token,
+        "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token, **sources,
         **training_record(trained),
         "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks, "settings": settings,
         "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
@@ -163,6 +168,21 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     }
     write_result(rt, result, trained, RunDir(run_dir).eval_json)
     return result
+
+
+def _by_source(dataset: Any, scored: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
+    """The test split's bytes per token (a mixture's: over the tokens scored of each source) and, for a mixture,
+    eval.json's `sources`: each source's test loss, tokens scored and bits per byte."""
+    if not scored:
+        return dataset.bytes_per_token(SPLIT), {}
+    sources = {}
+    for name, part in scored.items():
+        source = dataset.dataset_of(name)
+        per_token = source.bytes_per_token(SPLIT)
+        sources[name] = {"dataset": str(source.path), "test_loss": part["val_loss"], "tokens": part["val_tokens"],
+                         "bytes_per_token": per_token, "bits_per_byte": bits_per_byte(part["val_loss"], per_token)}
+    tokens = sum(part["tokens"] for part in sources.values())
+    return sum(part["tokens"] * part["bytes_per_token"] for part in sources.values()) / tokens, {"sources": sources}
 
 
 def _notes(trained: TrainedModel) -> list[str]:
@@ -273,14 +293,10 @@ def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float) -> float:
     return loss_nats_per_token / math.log(2) / bytes_per_token
 
 
-def _tracked(batches: Sequence, progress: Progress, description: str) -> Iterator:
-    progress.start(description, len(batches))
-    try:
-        for batch in batches:
-            yield batch
-            progress.advance()
-    finally:
-        progress.stop()
+def _advancing(batches: Sequence, progress: Progress) -> Iterator:
+    for batch in batches:
+        yield batch
+        progress.advance()
 
 
 def eval_settings(trained: TrainedModel, rt: Runtime, opts: EvalOptions, tokens: int) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from nanopt.config import RunConfig, train_config_from_snapshot
-from nanopt.data.dataset import TokenDataset, check_compatible, open_run_dataset
+from nanopt.data.dataset import TokenDataset, check_compatible
+from nanopt.data.mixture import open_run_data
 from nanopt.data.output import is_dataset
 from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
@@ -110,7 +111,7 @@ def _open_dataset(run: RunConfig, ckpt: Checkpoint, data: Path | None, for_loss:
         return None  # sampling and export use the checkpoint's own tokenizer
     if path_kind(run.data_dir, DataError, DATASET_HINT) == "missing":
         raise _no_dataset(run, ckpt)
-    return open_run_dataset(run)
+    return open_run_data(run)  # a mixture: every source, each scored on its own test split
 
 
 def _dataset_directory(data: Path, ckpt: Checkpoint) -> Path:

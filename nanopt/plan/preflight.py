@@ -78,6 +78,10 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
     try:
         measured = _measure(run, rt, opts, billed_from + searching_s, micro_batch, on_progress or _silent)
         report = build_report(run, rt, opts.price_per_hour, measured)
+        if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixture_plan)
+            from nanopt.data.mixture_plan import plan_records
+
+            report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
         if rt.is_main:
             save_json(RunDir(run.run_dir).preflight_json, report)
         return report
@@ -119,7 +123,7 @@ def _micro_batch(run: RunConfig, opts: PreflightOptions,
 
 def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float, micro_batch: dict[str, Any],
              progress: Progress) -> Measured:
-    from nanopt.data.dataset import open_run_dataset
+    from nanopt.data.mixture import open_run_data
     from nanopt.plan.profile import TimedLoader
     from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session
@@ -127,7 +131,7 @@ def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float
     progress("setup", 0, 1)
     session = build_session(run, rt, writes=False)
     # Training hashes a dataset of up to 1 GiB whole when it opens it (writes=True); that is part of its setup.
-    open_run_dataset(run)
+    open_run_data(run)
     if run.train.eval_interval:  # training checks the validation slice before its first step, too
         validation_batches(session)
     session.loader = TimedLoader(session.loader)

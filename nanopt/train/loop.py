@@ -26,6 +26,7 @@ from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
+from nanopt.train.mixture_report import announce_sources, evaluate_sources, source_record, source_summary
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -101,7 +102,8 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
         session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
     _announce(session)
-    _warn_if_data_repeats(session)
+    if not announce_sources(session):  # a mixture tells of each source instead
+        _warn_if_data_repeats(session)
     return session
 
 
@@ -256,7 +258,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
               "lr": s.optimizer.param_groups[0]["lr"], "grad_norm": norm, "tokens_per_s": tokens_per_s,
               "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
-              "peak_memory_bytes": s.memory.peak()}
+              "peak_memory_bytes": s.memory.peak(), **source_record(s, st.step)}
     record.update(_time_and_money(s, record["step_time_s"]))
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)
@@ -279,28 +281,26 @@ def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
 
 def validation_batches(s: Session) -> Any:
     """The slice of the validation split in-loop evaluation reads (also what preflight times)."""
-    from nanopt.data.loader import eval_batches
+    from nanopt.data.mixture import run_eval_batches
 
-    return eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
-                        s.rt.world_size, s.run.train.eval_tokens)
+    return run_eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
+                            s.rt.world_size, s.run.train.eval_tokens)
 
 
 def maybe_eval(s: Session) -> None:
-    from nanopt.train.validation import evaluate_loss
-
     interval, st = s.run.train.eval_interval, s.state
     due = interval and (st.step % interval == 0 or st.step == s.total_steps)
     if not due:
         return
     with s.clock.phase("eval"):
         batches = validation_batches(s)
-        result = evaluate_loss(s.prepared.model, s.rt, batches)
+        result, by_source = evaluate_sources(s, batches)
         st.last_val_loss, st.val_step = result.loss, st.step
         if st.best_val_loss is None or result.loss < st.best_val_loss:
             st.best_val_loss = result.loss
         tasks = score_downstream(s)  # charged to the eval phase too
     s.metrics.write("eval", step=st.step, tokens=st.tokens, val_loss=result.loss, val_tokens=result.tokens,
-                    val_perplexity=result.perplexity, eval_s=s.clock.last["eval"], **tasks)
+                    val_perplexity=result.perplexity, eval_s=s.clock.last["eval"], **by_source, **tasks)
     if s.rt.is_main:
         write_loss_chart(s.run.run_dir)
     s.observer.evaluated(st.step, result.loss, s.clock.last["eval"], _eval_share(s))
@@ -365,6 +365,7 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
         "skipped_steps": st.skipped_steps, "latest_checkpoint": ckpt.read_pointer(root, "latest"),
         "best_checkpoint": ckpt.read_pointer(root, "best"), "completed": st.step >= s.total_steps,
         "downstream": run_downstream(s),  # the latest downstream scores (train.json downstream_tasks), or None
+        **source_summary(s, st.step),
     }
     if s.rt.is_main and s.run.train.eval_interval and tokens:  # nothing new to draw for a complete run
         write_loss_chart(s.run.run_dir)

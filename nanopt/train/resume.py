@@ -35,7 +35,7 @@ FREE = {"data", "eval_interval", "eval_tokens", "downstream_interval", "checkpoi
         "checkpoint_async", "log_interval", "compile",
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold", "price_per_hour", "on_exit",
         "on_exit_timeout_s", "recovery", "recovery_confirm_steps", "recovery_skip_steps", "recovery_lr_factor",
-        "recovery_lr_steps", "max_recoveries", "tensorboard", "wandb_project", "wandb_mode"}
+        "recovery_lr_steps", "max_recoveries", "tensorboard", "wandb_project", "wandb_mode", "data_epochs_warning"}
 NEVER = {"seq_len", "global_batch_tokens", "seed", "optimizer"}
 
 

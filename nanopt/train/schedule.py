@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from nanopt.config import TrainConfig
+from nanopt.config.mixture import wsd_decay_start
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
@@ -28,7 +29,7 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "cosine":
         progress = min(1.0, (step - warmup) / max(1, last - warmup))
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    decay_start = max(warmup, last - int(round(cfg.decay_fraction * total_steps)))
+    decay_start = wsd_decay_start(total_steps, cfg.warmup_steps, cfg.decay_fraction)
     if step < decay_start:
         return peak
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))

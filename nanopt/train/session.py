@@ -63,6 +63,7 @@ class Session:
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
     checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
     downstream_last: tuple[int, float] | None = None  # (step, seconds) of the latest downstream scoring
+    source_val_losses: dict[str, float] = field(default_factory=dict)  # a mixture's latest loss per source
 
     @property
     def state(self) -> Counters:
@@ -90,8 +91,9 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     only. A budget beyond one pass over the train split is fine: the loader reshuffles each epoch, and the training
     loop warns that the data repeats.
     """
-    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, open_run_dataset
+    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES
     from nanopt.data.loader import TrainLoader, check_compatible
+    from nanopt.data.mixture import MixtureData, MixtureLoader, open_run_data
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
@@ -102,12 +104,13 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     check_model_fits(run, rt)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
-    dataset = open_run_dataset(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
+    dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
     check_compatible(dataset, run.model.vocab_size)
     # Before the model, so a split without one whole sequence (or with a bad token id in the first step) fails
     # before any costly work. The loader draws nothing from the RNGs seeded below.
-    loader = TrainLoader(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank,
-                         rt.world_size, run.train.seed)
+    loader_type = MixtureLoader if isinstance(dataset, MixtureData) else TrainLoader
+    loader = loader_type(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size,
+                         run.train.seed)
     if rt.device.type == "cuda":
         # The next micro-batch is read into pinned memory in a background thread while this one trains, so its
         # copy to the GPU is a non-blocking DMA; on the CPU there is no device to overlap with. Set here, once, so

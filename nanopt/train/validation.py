@@ -9,8 +9,9 @@ here is one all-reduce after the last batch, so no rank can reach a collective t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,3 +49,18 @@ def evaluate_loss(model: torch.nn.Module, rt: Runtime,
     model.train(was_training)
     tokens = int(totals[1].item())
     return LossResult(loss=float(totals[0].item()) / max(tokens, 1), tokens=tokens)
+
+
+def evaluate_by_source(model: torch.nn.Module, rt: Runtime, batches: Any,
+                       track: Callable[[Any], Iterable[Any]] = iter) -> tuple[LossResult, dict[str, Any]]:
+    """evaluate_loss, and for a mixture's batches (nanopt.data.mixture.MixtureEvalBatches) each source's loss too:
+    (the loss over all, {"sources": {name: {"val_loss", "val_tokens"}}}), the first the token-weighted mean of the
+    sources' losses. One dataset: (its loss, {}). `track` wraps each source's batches (a progress bar)."""
+    parts = getattr(batches, "parts", None)
+    if parts is None:
+        return evaluate_loss(model, rt, track(batches)), {}
+    results = {name: evaluate_loss(model, rt, track(part)) for name, part in parts}
+    tokens = sum(result.tokens for result in results.values())
+    loss = sum(result.loss * result.tokens for result in results.values()) / max(tokens, 1)
+    sources = {name: {"val_loss": result.loss, "val_tokens": result.tokens} for name, result in results.items()}
+    return LossResult(loss=loss, tokens=tokens), {"sources": sources}
