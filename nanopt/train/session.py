@@ -113,7 +113,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         # training, find-batch, profile and preflight (which wrap this loader to time it) all read the same way.
         loader.prefetch(pin_for=rt.device)
     seed_everything(run.train.seed)
-    prepared = prepare(Transformer(run.model), rt, run.train)
+    # The dataset's ids are the tokens: a model vocabulary padded past them keeps its padded rows out of the softmax.
+    prepared = prepare(Transformer(run.model, tokenizer_vocab_size=dataset.id_limit), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
