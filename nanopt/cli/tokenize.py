@@ -26,6 +26,8 @@ Examples:
 
   nanopt tokenize 'dump/*.parquet' --text-column content --tokenizer HuggingFaceTB/SmolLM-360M --out data/code
 
+  nanopt tokenize saved/ --split validation --tokenizer gpt2-dir/ --out data/saved   # a DatasetDict.save_to_disk directory
+
   nanopt tokenize notes.txt --sample-by paragraph --vocab-size 2048 --out data/notes --force --json
 
   nanopt tokenize mine.jsonl --tokenizer gpt2 --max-tokens chinchilla --run runs/gpt2-small --out data/mine   # val/test sized for the run's eval_tokens
@@ -42,11 +44,13 @@ trains. --val-fraction / --test-fraction change the share; given alone, that sha
 
 @app.command("tokenize", epilog=EPILOG)
 def tokenize_command(
-    source: str | None = typer.Argument(None, help="A Hugging Face dataset name, or a local file, folder or glob "
-                                                   "(txt, json/jsonl, parquet). None: the built-in corpus."),
+    source: str | None = typer.Argument(None, help="A Hugging Face dataset name, a local file, folder or glob "
+                                                   "(txt, json/jsonl, parquet), or a directory written by "
+                                                   "save_to_disk. None: the built-in corpus."),
     out: Path = typer.Option(..., "--out", "-o", help="Dataset directory to create, e.g. data/stdlib."),
     config: str | None = typer.Option(None, "--config", help="Hub dataset configuration, e.g. sample-10BT."),
-    split: str = typer.Option("train", "--split", help="Hub dataset split to read."),
+    split: str = typer.Option("train", "--split", help="Split to read: of a hub dataset, or of a DatasetDict "
+                                                       "saved with save_to_disk."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the text (json, parquet, hub)."),
     sample_by: str = typer.Option("document", "--sample-by", help="Text files: one document per file "
                                                                   "(document), per blank-line paragraph, or line."),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanopt.data.bpe_files import has_bpe_files, read_bpe_files
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
@@ -80,21 +81,24 @@ def set_threads(threads: int | None) -> None:
 
 
 def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedTokenizer:
-    """A local tokenizer.json (or a directory holding one, e.g. a dataset dir), else a Hugging Face hub name."""
+    """A local tokenizer.json (or a directory holding one, e.g. a dataset dir; or GPT-2's vocab.json and
+    merges.txt, nanopt.data.bpe_files), else a Hugging Face hub name."""
     path = Path(name_or_path).expanduser()
+    bpe_files = path.is_dir() and not os.path.lexists(path / "tokenizer.json") and has_bpe_files(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-        if not os.path.lexists(path):
-            raise DataError(f"{name_or_path}: directory has no tokenizer.json",
-                            "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
+        if not os.path.lexists(path) and not bpe_files:
+            raise DataError(f"{name_or_path}: directory has no tokenizer.json, nor vocab.json and merges.txt",
+                            "pass the tokenizer.json file, a directory containing one (or GPT-2's vocab.json and "
+                            "merges.txt), or a Hugging Face name")
     extra: dict[str, Any] = {}
-    if os.path.lexists(path):  # a file, or something in its place that read_tokenizer_file refuses in one line
-        tokenizer = read_tokenizer_file(path)
+    if bpe_files or os.path.lexists(path):  # a file, or something in its place that is refused in one line
+        tokenizer = read_bpe_files(path.parent) if bpe_files else read_tokenizer_file(path)
         dataset_eos = _eos_of_dataset(path.parent, tokenizer)
         if dataset_eos is not None:
             extra["dataset"] = str(path.parent)
         config_eos = _eos_from_tokenizer_config(path.parent / "tokenizer_config.json")
-        source = str(path)
+        source = str(path.parent if bpe_files else path)
     elif name_or_path.endswith(".json"):
         raise DataError(f"{name_or_path}: tokenizer file not found", "check the path")
     else:

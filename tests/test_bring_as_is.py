@@ -1,0 +1,118 @@
+"""What a user of `datasets` and transformers already has, brought to `nanopt tokenize` as is (issue #29).
+
+- A directory written by `save_to_disk` (a Dataset, or a DatasetDict and its --split) reads as `load_from_disk`
+  reads it: the same documents, hence the same shards, as the same rows in a .jsonl file.
+- A tokenizer directory of GPT-2's vocab.json + merges.txt encodes as transformers' tokenizer of that directory,
+  with `<|endoftext|>` as the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from clihelp import assert_user_error
+from conftest import english_like_documents, write_jsonl
+from test_tokenize_newcomer import documents_of, train_bpe_file
+
+from nanopt.data.pipeline import build_dataset
+
+SPLITS = ("train", "val", "test")
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_bpe_file(tmp_path_factory.mktemp("bpe"), ["<|endoftext|>"])
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return english_like_documents(160, seed=29)
+
+
+def all_documents(dataset: Path) -> dict[str, list[str]]:
+    return {split: documents_of(dataset, split) for split in SPLITS}
+
+
+# ------------------------------------------------------------------------------------------------ save_to_disk
+
+
+def test_a_saved_dataset_gives_the_shards_of_the_same_rows_in_jsonl(tmp_path: Path, bpe: Path, corpus: list[str]):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"id": list(range(len(corpus))), "text": corpus}).save_to_disk(tmp_path / "saved")
+    build_dataset(tmp_path / "from-saved", str(tmp_path / "saved"), tokenizer=str(bpe))
+    build_dataset(tmp_path / "from-jsonl", str(write_jsonl(tmp_path / "corpus.jsonl", corpus)), tokenizer=str(bpe))
+    saved, jsonl = all_documents(tmp_path / "from-saved"), all_documents(tmp_path / "from-jsonl")
+    assert saved == jsonl and sum(map(len, saved.values())) == len(corpus)
+    meta = json.loads((tmp_path / "from-saved" / "meta.json").read_text())
+    assert meta["source"]["kind"] == "saved" and meta["source"]["rows"] == len(corpus)
+
+
+def test_a_saved_dataset_dict_reads_the_split_asked_for(tmp_path: Path, bpe: Path, corpus: list[str],
+                                                         cli_in_process):
+    datasets = pytest.importorskip("datasets")
+    train, validation = corpus[:100], corpus[100:]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
+                          "validation": datasets.Dataset.from_dict({"text": validation})}
+                         ).save_to_disk(tmp_path / "saved")
+    result = cli_in_process("tokenize", tmp_path / "saved", "--split", "validation", "--tokenizer", bpe,
+                            "--out", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    read = all_documents(tmp_path / "out")
+    assert sorted(d for split in SPLITS for d in read[split]) == sorted(validation)
+
+    missing = cli_in_process("tokenize", tmp_path / "saved", "--split", "test", "--tokenizer", bpe,
+                             "--out", tmp_path / "none")
+    assert_user_error(missing, "no split 'test'", "splits: train, validation", "--split")
+    assert not (tmp_path / "none").exists()
+
+
+# ------------------------------------------------------------------------------------ vocab.json + merges.txt
+
+TRICKY = ["Hello world", " leading space and  two", "tabs\tand\nnewlines\r\n", "naïve café — “quotes” 日本語 🙂",
+          "ends<|endoftext|>starts again", "", "   ", "1234567890 +-*/ x_y"]
+
+
+def gpt2_files(folder: Path, **tokenizer_config: object) -> Path:
+    """GPT-2's original tokenizer form: a byte-level BPE's vocab.json and merges.txt (what tokenizers' model.save
+    writes, "#version" line included), and tokenizer_config.json when settings are given."""
+    tokenizer_json = train_bpe_file(folder / "source", ["<|endoftext|>"])
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(str(tokenizer_json)).model.save(str(folder))
+    if tokenizer_config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+@pytest.mark.parametrize("settings", [{}, {"add_prefix_space": True, "eos_token": "<|endoftext|>"}],
+                         ids=["files-only", "with-tokenizer-config"])
+def test_vocab_and_merges_encode_as_transformers_loads_them(tmp_path: Path, corpus: list[str], settings: dict):
+    transformers = pytest.importorskip("transformers")
+    from nanopt.data.tokenizer import load_tokenizer
+
+    folder = gpt2_files(tmp_path / "gpt2", **settings)
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted(
+        ["vocab.json", "merges.txt", *(["tokenizer_config.json"] if settings else [])])
+    ours = load_tokenizer(str(folder))
+    theirs = transformers.GPT2TokenizerFast.from_pretrained(str(folder))
+    assert (ours.eos_token, ours.eos_id) == (theirs.eos_token, theirs.eos_token_id) == ("<|endoftext|>", 0)
+    assert ours.vocab_size == len(theirs)
+    for text in TRICKY + corpus[:40]:
+        assert ours.tokenizer.encode(text).ids == theirs(text).input_ids, text
+
+
+def test_tokenize_takes_a_vocab_and_merges_directory(tmp_path: Path, corpus: list[str], cli_in_process):
+    folder = gpt2_files(tmp_path / "gpt2")
+    jsonl = write_jsonl(tmp_path / "corpus.jsonl", corpus)
+    result = cli_in_process("tokenize", jsonl, "--tokenizer", folder, "--out", tmp_path / "out", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["tokenizer"]["source"] == str(folder) and summary["tokenizer"]["eos_token"] == "<|endoftext|>"
+    assert sum(map(len, all_documents(tmp_path / "out").values())) == len(corpus)
+
+    (folder / "merges.txt").write_text("#version: 0.2\nh e x\n")
+    broken = cli_in_process("tokenize", jsonl, "--tokenizer", folder, "--out", tmp_path / "none")
+    assert_user_error(broken, "merges.txt: line 2 is not two tokens")
+    assert not (tmp_path / "none").exists()
