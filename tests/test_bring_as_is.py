@@ -116,3 +116,17 @@ def test_tokenize_takes_a_vocab_and_merges_directory(tmp_path: Path, corpus: lis
     broken = cli_in_process("tokenize", jsonl, "--tokenizer", folder, "--out", tmp_path / "none")
     assert_user_error(broken, "merges.txt: line 2 is not two tokens")
     assert not (tmp_path / "none").exists()
+
+
+# ------------------------------------------------------------------------------------------ a bare builder name
+
+
+@pytest.mark.parametrize("name", ["json", "parquet", "text", "csv", "JSON"])
+def test_a_bare_builder_name_is_refused_at_once(tmp_path: Path, name: str, monkeypatch, cli_in_process):
+    """`datasets` takes "json" without data_files as "every JSON file under the working directory": nanopt says
+    at once that the files must be named, instead of scanning and failing on whatever it finds."""
+    (tmp_path / "notes.json").write_text('{"not": "a corpus"')  # what `datasets` would scan, then fail on
+    monkeypatch.chdir(tmp_path)
+    result = cli_in_process("tokenize", name, "--vocab-size", "300", "--out", tmp_path / "out")
+    assert_user_error(result, f"{name}: a `datasets` builder name", "pass the files themselves", "--out DIR")
+    assert not (tmp_path / "out").exists()

@@ -35,6 +35,10 @@ from nanopt.errors import ConfigError, DataError
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json",
             ".ndjson": "json", ".parquet": "parquet"}
 SAMPLE_BY = ("document", "paragraph", "line")
+# `datasets`' packaged builders: given as a dataset name without data_files, each reads the working directory.
+DATASETS_BUILDERS = frozenset({"arrow", "audiofolder", "csv", "imagefolder", "json", "pandas", "parquet", "sql",
+                               "text", "videofolder", "webdataset", "xml"})
+_EXAMPLE_SUFFIX = {"text": "txt", "parquet": "parquet"}
 _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -76,6 +80,12 @@ def open_source(spec: str | None, config: str | None = None, split: str = "train
         if is_saved_dataset(Path(spec).expanduser()):
             return SavedSource(spec, split, text_column)
         return FileSource(spec, text_column, sample_by)
+    if spec.lower() in DATASETS_BUILDERS:  # `datasets` would scan the working directory for files, then fail
+        suffix = _EXAMPLE_SUFFIX.get(spec.lower(), "jsonl")
+        raise DataError(f"{spec}: a `datasets` builder name, not a dataset: it reads files, and none were named",
+                        f"pass the files themselves, e.g. nanopt tokenize 'corpus/*.{suffix}' --out DIR (.txt, "
+                        ".json/.jsonl and .parquet files, folders and globs go through the same builders; convert "
+                        "other formats to one of these)")
     if _builder_for(Path(spec)) is not None or not _HUB_NAME.match(spec):
         raise DataError(f"{spec}: no such file or directory", "check the path, or give a Hugging Face dataset name "
                         "such as HuggingFaceFW/fineweb-edu")
