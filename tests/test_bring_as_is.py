@@ -4,6 +4,8 @@
   reads it: the same documents, hence the same shards, as the same rows in a .jsonl file.
 - A tokenizer directory of GPT-2's vocab.json + merges.txt encodes as transformers' tokenizer of that directory,
   with `<|endoftext|>` as the end-of-text token.
+- A bare `datasets` builder name (`json`, `parquet`, `text`, `csv`) is refused at once: `datasets` would scan the
+  working directory; the files must be named.
 """
 
 from __future__ import annotations
