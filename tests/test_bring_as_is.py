@@ -4,6 +4,9 @@
   reads it: the same documents, hence the same shards, as the same rows in a .jsonl file.
 - A tokenizer directory of GPT-2's vocab.json + merges.txt encodes as transformers' tokenizer of that directory,
   with `<|endoftext|>` as the end-of-text token.
+- `--tokenizer NAME` where the hub cannot be reached fails at once in one line naming HF_HUB_OFFLINE (not after
+  huggingface_hub's retries, logged on stderr), or loads the copy in the local Hugging Face cache; a hub dataset
+  fails at once too.
 - A bare `datasets` builder name (`json`, `parquet`, `text`, `csv`) is refused at once: `datasets` would scan the
   working directory; the files must be named.
 """
@@ -14,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from clihelp import assert_user_error
+from clihelp import assert_user_error, run_cli
 from conftest import english_like_documents, write_jsonl
 from test_tokenize_newcomer import documents_of, train_bpe_file
 
@@ -131,4 +134,43 @@ def test_a_bare_builder_name_is_refused_at_once(tmp_path: Path, name: str, monke
     monkeypatch.chdir(tmp_path)
     result = cli_in_process("tokenize", name, "--vocab-size", "300", "--out", tmp_path / "out")
     assert_user_error(result, f"{name}: a `datasets` builder name", "pass the files themselves", "--out DIR")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------- the hub, unreachable
+
+
+def unreachable_hub(tmp_path: Path) -> dict[str, str]:
+    """An endpoint that refuses connections (port 9 of this machine: nothing listens), an empty cache, no proxy."""
+    return {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "",
+            "HTTPS_PROXY": "", "https_proxy": "", "HTTP_PROXY": "", "http_proxy": "", "ALL_PROXY": "", "all_proxy": ""}
+
+
+def test_a_hub_tokenizer_without_the_hub_fails_at_once_naming_hf_hub_offline(tmp_path: Path):
+    jsonl = write_jsonl(tmp_path / "corpus.jsonl", ["a small document"])
+    result = run_cli("tokenize", jsonl, "--tokenizer", "gpt2", "--out", tmp_path / "out", env=unreachable_hub(tmp_path))
+    assert_user_error(result, "tokenizer 'gpt2'", "hub cannot be reached", "127.0.0.1:9", "HF_HUB_OFFLINE=1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_tokenizer_in_the_local_cache_loads_without_the_hub(tmp_path: Path, bpe: Path, corpus: list[str]):
+    """The cache as huggingface_hub lays it out: a snapshot per commit, refs/main naming it."""
+    repo = tmp_path / "hf" / "hub" / "models--someone--tok"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "tokenizer.json").write_bytes(bpe.read_bytes())
+    jsonl = write_jsonl(tmp_path / "corpus.jsonl", corpus[:30])
+    result = run_cli("tokenize", jsonl, "--tokenizer", "someone/tok", "--out", tmp_path / "out", "--json",
+                     env=unreachable_hub(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tokenizer"]["source"] == "someone/tok"
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (bpe.parent / "tokenizer.json").read_text()
+
+
+def test_a_hub_dataset_without_the_hub_fails_at_once(tmp_path: Path):
+    result = run_cli("tokenize", "someone/corpus", "--vocab-size", "300", "--out", tmp_path / "out",
+                     env=unreachable_hub(tmp_path))
+    assert_user_error(result, "dataset someone/corpus", "hub cannot be reached", "127.0.0.1:9", "local files")
     assert not (tmp_path / "out").exists()

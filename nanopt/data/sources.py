@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nanopt.data.hf_datasets import as_texts, column_texts, is_saved_dataset, load_saved, load_stream
+from nanopt.data.hub import hub_unreachable
 from nanopt.data.plain_files import datasets_installed, needs_datasets, plain_values
 from nanopt.data.textcheck import COMPRESSIONS, TextFile
 from nanopt.errors import ConfigError, DataError
@@ -274,6 +275,11 @@ class HubSource:
 
     def _open(self) -> Any:
         if self._stream is None:
+            unreachable = None if Path(self.name).exists() else hub_unreachable()  # a local path needs no hub
+            if unreachable is not None:  # at once, not after huggingface_hub's 23 s of retries
+                raise DataError(f"could not open dataset {self.name}: the Hugging Face hub cannot be reached "
+                                f"({unreachable}), and a streamed dataset reads it as it goes",
+                                "tokenize local files instead (a file, folder or glob, or a save_to_disk directory)")
             self._stream = load_stream(self.name, f"dataset {self.name}", name=self.config, split=self.split)
         return self._stream
 

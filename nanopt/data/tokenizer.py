@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.data.bpe_files import has_bpe_files, read_bpe_files
+from nanopt.data.hub import OFFLINE_HINT, hub_offline, hub_unreachable
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
@@ -127,14 +128,35 @@ def read_tokenizer_file(path: Path, hint: str = "pass a file saved by Hugging Fa
 
 
 def _from_hub(name: str) -> Any:
+    """The hub's tokenizer.json of `name`; where the hub cannot be reached, the copy in the local cache, else a
+    DataError at once (not after huggingface_hub's 23 s of retries)."""
     from tokenizers import Tokenizer
 
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        cached = _cached_tokenizer_file(name)
+        if cached is not None:
+            return read_tokenizer_file(cached)
+        raise DataError(f"could not load tokenizer '{name}': the Hugging Face hub cannot be reached ({unreachable}) "
+                        "and the local cache has no copy of it", OFFLINE_HINT)
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as exc:  # network, authentication and missing-repo errors all surface as Exception here
-        raise DataError(f"could not load tokenizer '{name}' from the Hugging Face hub ({exc})",
-                        "check the name (e.g. gpt2) and the internet connection, or pass a local tokenizer.json"
-                        ) from None
+        where = " (HF_HUB_OFFLINE is set: the local cache only)" if hub_offline() else ""
+        raise DataError(f"could not load tokenizer '{name}' from the Hugging Face hub{where} ({exc})",
+                        "check the name (e.g. gpt2) and the internet connection (HF_HUB_OFFLINE=1 uses the local "
+                        "cache only), or pass a local tokenizer.json or directory") from None
+
+
+def _cached_tokenizer_file(name: str) -> Path | None:
+    """tokenizer.json of hub repo `name` in the local Hugging Face cache, as huggingface_hub finds it offline."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id=name, filename="tokenizer.json")
+    except Exception:  # an invalid repo id, or no huggingface_hub: nothing cached to offer
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def _disable_padding_and_truncation(tokenizer: Any) -> None:
