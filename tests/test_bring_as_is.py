@@ -7,6 +7,8 @@
 - `--tokenizer NAME` where the hub cannot be reached fails at once in one line naming HF_HUB_OFFLINE (not after
   huggingface_hub's retries, logged on stderr), or loads the copy in the local Hugging Face cache; a hub dataset
   fails at once too.
+- `--sample FRACTION --sample-seed N`: a random subset of any source's documents, the same for the same seed, in
+  source order; through the hub's streaming code path the same subset as from the files themselves.
 - A bare `datasets` builder name (`json`, `parquet`, `text`, `csv`) is refused at once: `datasets` would scan the
   working directory; the files must be named.
 """
@@ -173,4 +175,56 @@ def test_a_hub_dataset_without_the_hub_fails_at_once(tmp_path: Path):
     result = run_cli("tokenize", "someone/corpus", "--vocab-size", "300", "--out", tmp_path / "out",
                      env=unreachable_hub(tmp_path))
     assert_user_error(result, "dataset someone/corpus", "hub cannot be reached", "127.0.0.1:9", "local files")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------- --sample
+
+
+def kept(dataset: Path) -> list[str]:
+    """Every document of a dataset, whatever its split."""
+    return [d for split in SPLITS for d in documents_of(dataset, split)]
+
+
+def test_sample_keeps_a_seeded_share_of_the_documents_in_source_order(tmp_path: Path, bpe: Path,
+                                                                     corpus: list[str]):
+    from nanopt.data.sources import TextListSource
+
+    def sample(name: str, fraction: float, seed: int) -> list[str]:
+        build_dataset(tmp_path / name, TextListSource(corpus), tokenizer=str(bpe), sample=fraction, sample_seed=seed)
+        return kept(tmp_path / name)
+
+    third = sample("a", 1 / 3, 7)
+    assert 25 <= len(third) <= 80  # 160 documents, each kept with probability 1/3 (expected 53)
+    assert sorted(third) == sorted(sample("again", 1 / 3, 7))  # the same seed, the same documents
+    assert set(third) != set(sample("other", 1 / 3, 8))
+    assert set(third) <= set(corpus)
+    half = sample("half", 1 / 2, 7)
+    assert set(third) <= set(half) and len(half) > len(third)  # the same draws: a larger share keeps a superset
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    assert meta["source"]["sample"] == {"fraction": 1 / 3, "seed": 7} and meta["settings"]["sample"] == 1 / 3
+    positions = [corpus.index(d) for d in documents_of(tmp_path / "a", "train")]
+    assert positions == sorted(positions)  # train keeps the source's order
+
+
+def test_sample_of_a_streamed_hub_dataset_is_the_sample_of_its_files(tmp_path: Path, bpe: Path, corpus: list[str]):
+    pytest.importorskip("datasets")
+    from nanopt.data.sources import HubSource
+
+    folder = tmp_path / "hub-like"
+    folder.mkdir()
+    write_jsonl(folder / "part-0.jsonl", corpus)
+    # The hub code path (load_dataset(name, split=..., streaming=True)) on a local dataset folder.
+    build_dataset(tmp_path / "hub", HubSource(str(folder), None, "train", "text"), tokenizer=str(bpe), sample=0.25,
+                  sample_seed=3)
+    build_dataset(tmp_path / "files", str(folder), tokenizer=str(bpe), sample=0.25, sample_seed=3)
+    assert all_documents(tmp_path / "hub") == all_documents(tmp_path / "files")
+    assert 0 < len(kept(tmp_path / "hub")) < len(corpus)
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-0.1"])
+def test_a_sample_outside_0_to_1_is_one_line(tmp_path: Path, bpe: Path, fraction: str, cli_in_process):
+    jsonl = write_jsonl(tmp_path / "corpus.jsonl", ["a document"])
+    result = cli_in_process("tokenize", jsonl, "--tokenizer", bpe, "--sample", fraction, "--out", tmp_path / "out")
+    assert_user_error(result, f"--sample {float(fraction)} is outside (0, 1]")
     assert not (tmp_path / "out").exists()

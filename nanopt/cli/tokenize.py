@@ -36,6 +36,8 @@ Examples:
 
   nanopt tokenize corpus/ --vocab-size 32768 --val-tokens 4M --test-tokens 2M --out data/big
 
+  nanopt tokenize HuggingFaceFW/fineweb-edu --config sample-10BT --sample 0.01 --sample-seed 1 --tokenizer gpt2 --max-tokens 100M --out data/fw-1pct
+
 val and test: a document is held out for one of them by a hash of its text (5% of documents each) until the split
 has --val-tokens / --test-tokens (default: the --run's eval_tokens, else 1,048,576), in source order; the rest
 trains. --val-fraction / --test-fraction change the share; given alone, that share of all documents, with no limit.
@@ -80,6 +82,12 @@ def tokenize_command(
                                                             "what train reads), its eval_tokens the default "
                                                             "--val-tokens / --test-tokens, and val and test are "
                                                             "checked against one of its evaluation windows."),
+    sample: float | None = typer.Option(None, "--sample", help="Keep a random share of the source's documents, "
+                                                               "e.g. 0.1: each kept with this probability, "
+                                                               "decided by --sample-seed and its position (a hub "
+                                                               "dataset too, as it streams)."),
+    sample_seed: int = typer.Option(0, "--sample-seed", help="Which documents --sample keeps: the same seed, the "
+                                                             "same subset."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
     batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
                                                              "each call is encoded on all cores."),
@@ -103,6 +111,7 @@ def tokenize_command(
                     val_tokens=None if val_tokens is None else parse_token_count(val_tokens, "--val-tokens"),
                     test_tokens=None if test_tokens is None else parse_token_count(test_tokens, "--test-tokens"),
                     max_tokens=resolve_max_tokens(max_tokens, run_dir), max_tokens_as_given=max_tokens,
+                    sample=sample, sample_seed=sample_seed,
                     run=None if run_dir is None else str(run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
                     on_decode_error=on_decode_error, force=force)
