@@ -275,6 +275,8 @@ class HubSource:
 
     def _open(self) -> Any:
         if self._stream is None:
+            if not datasets_installed():  # the first thing to fix: without `datasets` no hub dataset reads at all
+                raise needs_datasets(f"opening dataset {self.name}")
             unreachable = None if Path(self.name).exists() else hub_unreachable()  # a local path needs no hub
             if unreachable is not None:  # at once, not after huggingface_hub's 23 s of retries
                 raise DataError(f"could not open dataset {self.name}: the Hugging Face hub cannot be reached "
