@@ -259,10 +259,12 @@ def barrier(rt: Runtime) -> None:
 
 
 def device_peak_flops(device: torch.device, precision: str, tf32: bool = True) -> tuple[float | None, str]:
-    """The dense peak FLOP/s MFU is measured against (nanopt.hardware's table; none for fp32 without TF32), and
-    where it came from."""
+    """The dense peak FLOP/s of one rank's device that MFU is measured against, and where it came from: the GPU
+    table's (none for fp32 without TF32); on a CPU the peak `nanopt estimate --gpu cpu` works out for this machine
+    (nanopt.hardware.cpu_peak), split among the ranks on it, which share its cores. One rule for estimate,
+    preflight, find-batch, profile and train."""
     if device.type != "cuda":
-        return None, "no peak for CPUs"
+        return _cpu_share_of_peak()
     if precision == "fp32" and not tf32:
         return None, "no peak for fp32 without TF32 (train.json \"tf32\": false)"
     import torch
@@ -271,6 +273,16 @@ def device_peak_flops(device: torch.device, precision: str, tf32: bool = True) -
     if gpu is None:
         return None, f"unknown GPU {torch.cuda.get_device_name(device)!r}"
     return gpu.peak_flops(precision), f"{gpu.name} dense {'TF32' if precision == 'fp32' else 'BF16'} peak"
+
+
+def _cpu_share_of_peak() -> tuple[float | None, str]:
+    from nanopt.hardware import cpu_peak
+
+    found = cpu_peak()
+    if found is None:
+        return None, "no peak known for this CPU (no /proc/cpuinfo, or vector units nanopt does not know)"
+    sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's ranks on this machine
+    return found.flops / sharing, found.describe() + (f", shared by {sharing} ranks" if sharing > 1 else "")
 
 
 def device_price(device: torch.device, price_per_hour: float | None = None) -> tuple[float | None, str]:

@@ -32,7 +32,7 @@ PROPERTY = settings(derandomize=True, database=None, deadline=timedelta(seconds=
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 FIELDS = ["format_version", "step", "tokens", "best_val_loss", "skipped_steps", "ranks", "recovery", "metrics",
           "world_size", "tied", "config", "data_fingerprint", "tokenizer_sha256", "eos_id",
-          "optimizer_param_groups", "layout", "files"]
+          "optimizer_param_groups", "layout", "files", "device_type"]
 
 
 @pytest.fixture(scope="module")

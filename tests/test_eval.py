@@ -177,6 +177,20 @@ def test_comparison_is_sorted_by_test_loss_and_reuses_evaluations(runs, cli):
     assert len(rows) == 4 and strong in rows[0] and weak in rows[1] and strong in rows[2] and weak in rows[3]
     assert "test loss" in table.stdout and "bits/byte" in table.stdout and "$" in rows[0]
     assert "time per phase" in table.stdout and "%" in rows[2]
+    # Hours of the device the runs trained on: a CPU run's are not GPU-hours.
+    kinds = {row["train_device_type"] for row in first["runs"]}
+    assert kinds <= {"cpu", "cuda"} and len(kinds) == 1
+    label, other = ("CPU-h", "GPU-h") if kinds == {"cpu"} else ("GPU-h", "CPU-h")
+    assert label in table.stdout and other not in table.stdout
+
+
+def test_the_device_hours_column_names_the_device_the_runs_trained_on():
+    from nanopt.evaluate.compare import device_hours_label
+
+    assert device_hours_label([{"train_device_type": "cpu"}, {"train_device_type": "cpu"}]) == "CPU-h"
+    assert device_hours_label([{"train_device_type": "cuda"}]) == "GPU-h"
+    assert device_hours_label([{"train_device_type": "cpu"}, {"train_device_type": "cuda"}]) == "device-h"
+    assert device_hours_label([{"train_device_type": None}]) == "device-h"  # a checkpoint older than the field
 
 
 def test_training_seconds_sums_logged_step_times_and_restarts_at_a_resume():

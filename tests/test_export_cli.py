@@ -55,7 +55,7 @@ def test_run_with_a_padded_vocab_trains_and_exports_the_tokenizers_vocab(tmp_pat
     has the tokenizer's vocab with nanopt's logits on those rows."""
     from faulthelp import TINY_MODEL
 
-    from nanopt.config import model_config_from_snapshot
+    from nanopt.config import load_run, model_config_from_snapshot
     from nanopt.model.transformer import Transformer
     from nanopt.train.checkpoint import load_model_state, resolve
 
@@ -79,3 +79,28 @@ def test_run_with_a_padded_vocab_trains_and_exports_the_tokenizers_vocab(tmp_pat
         hf_logits, ours = hf_model(ids).logits, model.eval()(ids)
     assert hf_logits.shape[-1] == real_vocab
     assert (hf_logits - ours[..., :real_vocab]).abs().max().item() < 1e-4
+
+    # The padded rows are never a token: nanopt's test loss is transformers' loss of the export on the same tokens.
+    evaluated = launcher.run("eval", run, "--tokens", "all", "--no-samples", "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    ours = json.loads(evaluated.stdout)
+    theirs = _transformers_test_loss(hf_model, tiny_dataset, seq_len=load_run(run).seq_len)
+    assert ours["tokens"] == theirs[1]
+    assert abs(ours["test_loss"] - theirs[0]) < 2e-6, (ours["test_loss"], theirs[0])
+
+
+def _transformers_test_loss(hf_model, dataset: Path, seq_len: int) -> tuple[float, int]:
+    """Mean cross-entropy of a transformers model over the whole test split, in the windows nanopt eval scores."""
+    import torch.nn.functional as F
+
+    from nanopt.data.dataset import TokenDataset
+    from nanopt.data.loader import eval_batches
+
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in eval_batches(TokenDataset.open(dataset), "test", seq_len, 4, 0, 1, None):
+            logits = hf_model(inputs).logits.double()
+            total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                     reduction="sum").item()
+            tokens += int((targets != -100).sum())
+    return total / tokens, tokens

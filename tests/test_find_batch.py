@@ -171,8 +171,9 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
     monkeypatch.setenv("COLUMNS", "200")  # one table row per line
     render(tight)
     table = capsys.readouterr().out
-    for fragment in ("over limit", "largest with exact accumulation", "memory model: peak", "inexact"):
+    for fragment in ("over limit", "largest with exact accumulation", "memory model: peak"):
         assert fragment in table
+    assert "inexact" not in table  # only sizes that divide the global batch were tried
 
 
 @pytest.mark.slow
@@ -261,7 +262,7 @@ def test_trials_run_in_process_only_where_that_is_safe(isolation: str, cuda: boo
 
 
 def test_the_search_starts_at_the_memory_models_prediction(tmp_path: Path, tiny_dataset: Path, cli_on_cpu):
-    run = tiny_run(tmp_path, tiny_dataset, "run")
+    run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=6 * 16)  # 1, 2, 3 and 6 sequences divide it
     report = find_batch_json(cli_on_cpu, run, "--max-memory", "4GiB", "--max", "3")
     # 4 GiB holds thousands of sequences of this model: the search starts at --max, one trial instead of 1, 2, 3.
     assert report["predicted_micro_batch"] >= 3
@@ -272,7 +273,7 @@ def test_the_search_starts_at_the_memory_models_prediction(tmp_path: Path, tiny_
 
 def test_in_process_trials_are_judged_by_their_own_peak_and_bounded_in_number(tmp_path: Path, tiny_dataset: Path,
                                                                              cli_on_cpu):
-    run = tiny_run(tmp_path, tiny_dataset, "run")
+    run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=8 * 16)
     roomy = find_batch_json(cli_on_cpu, run, "--isolation", "in-process", "--max-memory", "64GiB", "--start", "1",
                             "--max", "8", "--max-trials", "2")
     assert roomy["isolation"] == "in-process" and roomy["search_order"] == [1, 2]
@@ -290,3 +291,39 @@ def test_search_from_a_prediction_far_off_speeds_up_to_doubling():
     # The memory model 100x too optimistic: steps of 1.25x, 1.56x, 1.95x, then 2x, not 20 steps of 1.25x.
     found, tried = search(lambda size: size <= 10, 1000, 1024, growth=1.25)
     assert found == 10 and len(tried) <= 12, tried
+
+
+# ------------------------------------------------------------------------------ only sizes the run can use
+
+
+def test_only_sizes_that_divide_the_global_batch_are_searched():
+    """A global batch of 96 sequences per rank: 100 fits but no run could use it; the answer is 96."""
+    from nanopt.config import TrainConfig
+    from nanopt.plan.find_batch.search import search_among, usable_micro_batches
+
+    train = TrainConfig(data="d", micro_batch_size=4, global_batch_tokens=96 * 256 * 2)
+    sizes = usable_micro_batches(train, seq_len=256, world_size=2, maximum=1024)
+    assert sizes == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    found, tried = search_among(lambda size: size <= 100, sizes, start=1)
+    assert found == 96 and set(tried) <= set(sizes)
+    found, tried = search_among(lambda size: size <= 40, sizes, start=30, growth=1.25)
+    assert found == 32 and tried[0] == 24 and set(tried) <= set(sizes)
+    assert usable_micro_batches(train, seq_len=256, world_size=2, maximum=10) == [1, 2, 3, 4, 6, 8]
+
+
+def test_a_global_batch_no_micro_batch_divides_is_refused_before_any_trial(tmp_path: Path, tiny_dataset: Path,
+                                                                          cli_on_cpu):
+    run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=100)  # seq_len 16: 6.25 sequences
+    result = cli_on_cpu("find-batch", run, "--max-memory", "4GiB")
+    assert_user_error(result, "global_batch_tokens 100 is not a multiple of seq_len x world size = 16 x 1",
+                      "multiple of 16")
+    assert not (run / "find_batch.json").exists()
+
+
+def test_a_cpu_search_tries_only_usable_sizes(tmp_path: Path, tiny_dataset: Path, cli_on_cpu):
+    run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=6 * 16)
+    report = find_batch_json(cli_on_cpu, run, "--max-memory", "4GiB", "--start", "1", "--max", "5")
+    assert report["usable_micro_batches"] == [1, 2, 3]
+    assert set(report["search_order"]) <= {1, 2, 3} and report["max_micro_batch"] == 3
+    assert all(t["grad_accum"] is not None for t in report["trials"])
+    assert report["max_micro_batch_capped"] and report["search_complete"]

@@ -82,3 +82,15 @@ def test_accepts_tensor_prompt_restores_mode_and_handles_zero_tokens():
     assert generate(model, PROMPT, 0) == []
     with pytest.raises(ValueError):
         generate(model, [], 5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_vocabulary_rows_are_never_sampled(temperature):
+    """Rows past the tokenizer's vocabulary are padding: even with the largest logits they are never drawn."""
+    cfg = tiny_model("gpt2").cfg
+    torch.manual_seed(0)
+    model = Transformer(cfg, tokenizer_vocab_size=100)
+    with torch.no_grad():
+        model.lm_head.weight[100:] = model.lm_head.weight[:100].sum(0) * 10
+    new = generate(model, PROMPT, 40, temperature=temperature, top_k=None, seed=3)
+    assert len(new) == 40 and max(new) < 100

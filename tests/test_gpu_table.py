@@ -126,6 +126,33 @@ def test_mfu_above_100_percent_is_flagged_not_returned():
     assert mfu(1e6, 6e9, 1, None) is None and mfu_note(None, None) is None  # no peak: nothing to flag
 
 
+def test_a_cpu_has_one_peak_for_estimate_preflight_find_batch_profile_and_train(tmp_path, tiny_dataset,
+                                                                              cli_in_process, launcher,
+                                                                              monkeypatch):
+    """estimate --gpu cpu and preflight gave an MFU on the CPU while train and find-batch said "no peak for CPUs":
+    every command now measures against the one peak nanopt.runtime.device_peak_flops gives, shared by the ranks."""
+    from faulthelp import TINY_MODEL
+    from trainhelp import HIDE_CUDA, make_run
+
+    from nanopt.hardware import cpu_peak
+    from nanopt.runtime import device_peak_flops
+
+    if cpu_peak() is None:
+        pytest.skip("this machine's /proc/cpuinfo does not give its peak")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    peak, source = device_peak_flops(torch.device("cpu"), "fp32")
+    estimate = json.loads(cli_in_process("estimate", "--gpu", "cpu", "--params", "1e6", "--json").stdout)
+    assert peak == pytest.approx(estimate["gpu"]["peak_tflops"] * 1e12) and source == estimate["gpu"]["peak_source"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this machine share its cores
+    assert device_peak_flops(torch.device("cpu"), "fp32")[0] == pytest.approx(peak / 2)
+
+    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, max_steps=3, eval_interval=0, checkpoint_interval=3)
+    launcher.train(run, env=HIDE_CUDA)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r.get("kind") == "train"]
+    assert trained and all(r["mfu"] is not None and 0 < r["mfu"] <= 1 for r in trained), trained
+
+
 # ----------------------------------------------------------------------------------------- estimate --gpu
 
 

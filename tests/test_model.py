@@ -144,6 +144,37 @@ def test_chunked_loss_equals_full_cross_entropy(name):
         assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-6), n
 
 
+@pytest.mark.parametrize("chunk_rows", [7, None], ids=["chunked", "whole"])
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "gpt2-untied"])
+def test_padded_vocabulary_rows_are_out_of_the_logits_and_the_loss(name, chunk_rows):
+    """A model of 211 rows for a 200-token tokenizer has 200 logits (what the export's 200 rows give), its loss
+    is the cross-entropy over them, and its padded rows get no gradient, even when their logits are the largest."""
+    cfg, tokens = TINY_CONFIGS[name], 200
+    torch.manual_seed(0)
+    padded = Transformer(cfg, tokenizer_vocab_size=tokens)
+    padded.loss_chunk_rows = chunk_rows
+    with torch.no_grad():
+        padded.lm_head.weight[tokens:] = padded.lm_head.weight[:tokens].sum(0) * 10  # would win every softmax
+    torch.manual_seed(1)
+    ids = torch.randint(0, tokens, (3, 20))
+    targets = torch.randint(0, tokens, (3, 20))
+    targets[0, :9] = -100
+
+    logits = padded(ids)
+    assert logits.shape == (3, 20, tokens)
+    loss = padded(ids, targets)
+    loss.backward()
+    reference = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert (loss - reference).abs().item() < 1e-5
+    head_grad = padded.lm_head.weight.grad
+    assert head_grad[tokens:].abs().max().item() == 0 and head_grad[:tokens].abs().max().item() > 0
+
+
+def test_tokenizer_vocab_size_past_the_model_is_refused():
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        Transformer(TINY_CONFIGS["gpt2-tied"], tokenizer_vocab_size=212)
+
+
 def test_chunked_loss_saves_no_logits_for_backward():
     # Every tensor autograd keeps for backward passes through this hook. Logits
     # (or their log-softmax) would be [rows, vocab]; the loss forms its gradients chunk by chunk, so none is kept.

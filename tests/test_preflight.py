@@ -13,6 +13,7 @@ from clihelp import assert_user_error
 from faulthelp import tree_digest
 from trainhelp import make_run
 
+from nanopt.cli import format as fmt
 from nanopt.config import load_run
 from nanopt.plan.preflight import PreflightOptions, preflight
 from nanopt.train.metrics import read_metrics
@@ -204,6 +205,22 @@ def test_estimate_ignores_a_stale_preflight_with_one_note(measured_run: Path, cl
     other = json.loads(cli_in_process("estimate", measured_run, "--gpu", "h100", "--json").stdout)
     assert other["throughput_source"]["kind"] == "assumed" and "not on this estimate's" in \
         other["throughput_source"]["note"]
+
+
+def test_estimate_shows_no_whole_run_projection_for_another_budget(measured_run: Path, cli_in_process):
+    """train_tokens is no speed setting: the measured tokens/s still stands, but preflight's whole-run projection
+    was for the old budget and is not shown beside the new one."""
+    found = json.loads((measured_run / "preflight.json").read_text())
+    steps = found["projection"]["steps"]
+    result = cli_in_process("estimate", measured_run, "--set", f"max_steps={2 * steps}", "--json")
+    source = json.loads(result.stdout)["throughput_source"]
+    assert source["kind"] == "preflight" and source["projected_total_seconds"] is None
+    assert source["projection_outdated"].startswith(f"it projected {steps} steps, the run now has {2 * steps}")
+    table = cli_in_process("estimate", measured_run, "--set", f"max_steps={2 * steps}").stdout
+    assert "whole run as preflight projects it" in table and "not shown: it projected" in table
+    assert fmt.duration(found["projection"]["total_s"]) not in table.split("whole run as preflight")[1]
+    same = json.loads(cli_in_process("estimate", measured_run, "--json").stdout)["throughput_source"]
+    assert same["projection_outdated"] is None and same["projected_total_seconds"] == found["projection"]["total_s"]
 
 
 def test_estimate_ignores_an_unreadable_preflight_with_one_note(tmp_path: Path, tiny_dataset: Path, cli_in_process):

@@ -138,7 +138,9 @@ def render(r: dict[str, Any]) -> None:
         ("cost", _cost(r["cost_usd"], g["usd_per_hour"], "hour" if g["key"] == CPU else "GPU-hour")),
     ]
     source = r["throughput_source"]
-    if source["kind"] == "preflight" and source["projected_total_seconds"] is not None:
+    if source["kind"] == "preflight" and source.get("projection_outdated"):
+        rows.append(("whole run as preflight projects it", f"not shown: {source['projection_outdated']}"))
+    elif source["kind"] == "preflight" and source["projected_total_seconds"] is not None:
         rows.append(("whole run as preflight projects it", f"{fmt.duration(source['projected_total_seconds'])}, "
                                                           f"{fmt.money(source['projected_cost_usd'])} (setup, "
                                                           "steps, evaluations, checkpoints)"))

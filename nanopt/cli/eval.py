@@ -233,12 +233,14 @@ def _render_one(r: dict[str, Any]) -> None:
 
 
 def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    from nanopt.evaluate.compare import device_hours_label
+
     out = console()
     # What is compared first, then what it took. Perplexity is left out: it is exp(test loss), in the JSON. "batch" is
     # the global batch in tokens. A narrow terminal or a pipe (80 columns) gets the columns over several tables, each
     # with the rank: no number is cut short, and --json has everything.
-    headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "wall time", "GPU-h",
-               "cost", "w/o eval"]
+    headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "wall time",
+               device_hours_label(rows), "cost", "w/o eval"]
     records = [[str(rank), escape(r["run"]), f"{r['test_loss']:.4f}", f"{r['bits_per_byte']:.4f}", f"{r['step']:,}",
                 fmt.count(r["parameters"]), fmt.count(r["tokens_trained"]), fmt.exact(r["global_batch_tokens"]),
                 fmt.duration(r["wall_seconds"] if r["wall_seconds"] is not None else r["train_seconds"]),

@@ -40,7 +40,8 @@ def find_batch_command(
     start: int | None = typer.Option(None, "--start", help="First micro-batch to try; the search doubles from "
                                      "it. Default: the memory model's prediction for this device, in steps of 25% "
                                      "at first."),
-    maximum: int = typer.Option(1024, "--max", help="Largest micro-batch to try."),
+    maximum: int = typer.Option(1024, "--max", help="Largest micro-batch to try. Only sizes that divide the "
+                                                    "global batch exactly are tried."),
     steps: int = typer.Option(3, "--steps", help="Optimizer steps per trial (>= 3: the optimizer state "
                                                  "appears after the first; the rest are timed)."),
     margin: float = typer.Option(0.05, "--margin", help="Keep this fraction of the memory limit free: a size "
@@ -162,7 +163,8 @@ def _result_table(r: dict[str, Any]) -> Table:
     table = Table(show_header=False, title="result", title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
-    capped = " (every size up to --max fit; raise --max to go further)" if r["max_micro_batch_capped"] else ""
+    capped = (" (the largest size up to --max that divides the global batch: every usable size fit)"
+              if r["max_micro_batch_capped"] else "")
     rows = [
         ("largest that fits", f"{r['max_micro_batch']}{capped}{_accum(r['grad_accum_at_max'])}"
                               if r["max_micro_batch"] else "none: see the reasons above"),
@@ -213,7 +215,7 @@ def _limit_text(r: dict[str, Any]) -> str:
 def _exact(r: dict[str, Any]) -> str:
     size = r["max_exact_micro_batch"]
     if size is None:
-        return f"none divides {r['global_batch_tokens']:,} tokens / (seq_len x world size)"
+        return "none fits"
     accum = next(t["grad_accum"] for t in r["trials"] if t["micro_batch_size"] == size)
     return f"{size}{_accum(accum)}"
 

@@ -27,6 +27,8 @@ Examples:
 
   nanopt tokenize 'dump/*.parquet' --text-column content --tokenizer HuggingFaceTB/SmolLM-360M --out data/code
 
+  nanopt tokenize saved/ --split validation --tokenizer gpt2-dir/ --out data/saved   # a DatasetDict.save_to_disk directory
+
   nanopt tokenize notes.txt --sample-by paragraph --vocab-size 2048 --out data/notes --force --json
 
   nanopt tokenize mine.jsonl --tokenizer gpt2 --max-tokens chinchilla --run runs/gpt2-small --out data/mine   # val/test sized for the run's eval_tokens
@@ -34,6 +36,8 @@ Examples:
   nanopt tokenize more.jsonl --tokenizer data/mine --out data/more   # data/mine's tokenizer and end-of-text token
 
   nanopt tokenize corpus/ --vocab-size 32768 --val-tokens 4M --test-tokens 2M --out data/big
+
+  nanopt tokenize HuggingFaceFW/fineweb-edu --config sample-10BT --sample 0.01 --sample-seed 1 --tokenizer gpt2 --max-tokens 100M --out data/fw-1pct
 
 val and test: a document is held out for one of them by a hash of its text (5% of documents each) until the split
 has --val-tokens / --test-tokens (default: the --run's eval_tokens, else 1,048,576), in source order; the rest
@@ -43,11 +47,13 @@ trains. --val-fraction / --test-fraction change the share; given alone, that sha
 
 @app.command("tokenize", epilog=EPILOG)
 def tokenize_command(
-    source: str | None = typer.Argument(None, help="A Hugging Face dataset name, or a local file, folder or glob "
-                                                   "(txt, json/jsonl, parquet). None: the built-in corpus."),
+    source: str | None = typer.Argument(None, help="A Hugging Face dataset name, a local file, folder or glob "
+                                                   "(txt, json/jsonl, parquet), or a directory written by "
+                                                   "save_to_disk. None: the built-in corpus."),
     out: Path = typer.Option(..., "--out", "-o", help="Dataset directory to create, e.g. data/stdlib."),
     config: str | None = typer.Option(None, "--config", help="Hub dataset configuration, e.g. sample-10BT."),
-    split: str = typer.Option("train", "--split", help="Hub dataset split to read."),
+    split: str = typer.Option("train", "--split", help="Split to read: of a hub dataset, or of a DatasetDict "
+                                                       "saved with save_to_disk."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the text (json, parquet, hub)."),
     sample_by: str = typer.Option("document", "--sample-by", help="Text files: one document per file "
                                                                   "(document), per blank-line paragraph, or line."),
@@ -77,6 +83,12 @@ def tokenize_command(
                                                             "what train reads), its eval_tokens the default "
                                                             "--val-tokens / --test-tokens, and val and test are "
                                                             "checked against one of its evaluation windows."),
+    sample: float | None = typer.Option(None, "--sample", help="Keep a random share of the source's documents, "
+                                                               "e.g. 0.1: each kept with this probability, "
+                                                               "decided by --sample-seed and its position (a hub "
+                                                               "dataset too, as it streams)."),
+    sample_seed: int = typer.Option(0, "--sample-seed", help="Which documents --sample keeps: the same seed, the "
+                                                             "same subset."),
     shard_tokens: str = typer.Option("100M", "--shard-tokens", help="Tokens per shard file."),
     batch_size: int = typer.Option(256, "--batch-size", help="Documents per encode call, at most 1 MiB of text; "
                                                              "each call is encoded on all cores."),
@@ -100,6 +112,7 @@ def tokenize_command(
                     val_tokens=None if val_tokens is None else parse_token_count(val_tokens, "--val-tokens"),
                     test_tokens=None if test_tokens is None else parse_token_count(test_tokens, "--test-tokens"),
                     max_tokens=resolve_max_tokens(max_tokens, run_dir, out), max_tokens_as_given=max_tokens,
+                    sample=sample, sample_seed=sample_seed,
                     run=None if run_dir is None else str(run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
                     on_decode_error=on_decode_error, force=force)

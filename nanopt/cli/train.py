@@ -22,6 +22,7 @@ from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
 from nanopt.shown import printable
+from nanopt.train.world_fit import micro_batch_for_world
 
 EPILOG = """
 Examples:
@@ -111,7 +112,7 @@ def train_command(
             parse_tasks(run.train.downstream_tasks, "train.json: key 'downstream_tasks'", ConfigError)
         if not under_torchrun():
             # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
-            run.grad_accum_steps(nproc_per_node * nnodes)
+            micro_batch_for_world(run, nproc_per_node * nnodes, resume)
     # torchrun's launcher leaves here with its ranks' exit status: rank 0 among them runs the hook, never this process.
     launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     from nanopt.evaluate.tasks.inloop import InLoopTasks

@@ -33,6 +33,7 @@ import numpy as np
 from nanopt.data.documents import HELD_OUT, SplitRule, clean, document_pieces, is_empty
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, staging_dir, write_meta
+from nanopt.data.sampling import SampledSource
 from nanopt.data.settings import TokenizeSettings, run_eval
 from nanopt.data.shards import SplitWriter, token_dtype
 from nanopt.data.sources import Source, open_source
@@ -82,6 +83,8 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
     evaluation = run_eval(given.run)
     src = source if hasattr(source, "texts") else open_source(source, given.config, given.split,
                                                                 given.text_column, given.sample_by)
+    if given.sample is not None and given.sample < 1.0:
+        src = SampledSource(src, given.sample, given.sample_seed)
     opts = given.resolved(src, evaluation)
     reporter = progress or ProgressReporter()
     fix_mmap_threshold()

@@ -15,7 +15,7 @@ the two wherever `datasets` is installed):
 
 Where the two can differ, only on input `datasets` would mangle: it may turn a column of mixed types into JSON
 text, and parse a pretty-printed JSON object through pandas; here a value that is not a string is refused (as
-nanopt.data.sources.as_texts refuses it) and a file must be JSON Lines or one array.
+nanopt.data.hf_datasets.as_texts refuses it) and a file must be JSON Lines or one array.
 """
 
 from __future__ import annotations

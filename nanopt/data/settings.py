@@ -78,6 +78,8 @@ class TokenizeSettings:
     test_tokens: int | None = None
     shard_tokens: int = 100_000_000
     max_tokens: int | None = None  # stop once the train split has this many tokens
+    sample: float | None = None  # keep each document with this probability (nanopt.data.sampling); None: all
+    sample_seed: int = 0  # which documents --sample keeps
     max_tokens_as_given: str | None = None  # --max-tokens as typed (e.g. "chinchilla"), to name it in messages
     run: str | None = None  # a run directory: sets the default val / test tokens; its eval batch is checked
     batch_size: int = 256  # documents (or pieces of long ones) per encode call
@@ -93,6 +95,10 @@ class TokenizeSettings:
         for name in ("val_tokens", "test_tokens"):
             check_option(f"--{name.replace('_', '-')}", getattr(self, name), 0, INT64_MAX,
                          "e.g. 1M (it defaults to the --run's eval_tokens, else 1,048,576)")
+        if self.sample is not None and not 0.0 < self.sample <= 1.0:
+            raise ConfigError(f"--sample {self.sample} is outside (0, 1]",
+                              "the share of documents to keep, e.g. --sample 0.1 for one in ten")
+        check_option("--sample-seed", self.sample_seed, 0, INT64_MAX, "e.g. --sample-seed 1 for another subset")
         check_option("--shard-tokens", self.shard_tokens, 1, INT64_MAX, "e.g. 100M tokens per shard file")
         check_option("--max-tokens", self.max_tokens, 1, INT64_MAX, "e.g. 2.5B, or leave it out for the whole corpus")
         check_option("--batch-size", self.batch_size, 1, MAX_BATCH_DOCUMENTS, "e.g. 256 documents per encode call")

@@ -6,6 +6,8 @@
 - Local files, folders and globs (txt, json / jsonl, parquet, optionally .gz / .bz2 / .xz / .zst compressed), read
   through the same `datasets.load_dataset(..., streaming=True)` calls as a hub dataset; without `datasets` installed,
   text and JSON files are read by nanopt.data.plain_files, into the same documents in the same order.
+- A directory written by `datasets`' `save_to_disk` (a Dataset, or a DatasetDict and its `--split`), read as
+  `datasets.load_from_disk` reads it: memory-mapped Arrow, never loaded whole.
 - A Hugging Face hub dataset by name, streamed (`streaming=True`), so a 100B-token corpus is never downloaded whole.
 
 Local text and JSON files (and the built-in corpus) are checked before anything is read for tokenizing
@@ -17,7 +19,6 @@ Parquet and hub datasets need no check: Arrow strings are UTF-8 by construction.
 from __future__ import annotations
 
 import glob
-import logging
 import platform
 import re
 import sysconfig
@@ -26,16 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nanopt.data.plain_files import check_column, datasets_installed, needs_datasets, plain_values
-from nanopt.data.textcheck import COMPRESSIONS, TextFile, first_line
+from nanopt.data.hf_datasets import as_texts, column_texts, is_saved_dataset, load_saved, load_stream
+from nanopt.data.hub import hub_unreachable
+from nanopt.data.plain_files import datasets_installed, needs_datasets, plain_values
+from nanopt.data.textcheck import COMPRESSIONS, TextFile
 from nanopt.errors import ConfigError, DataError
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json",
             ".ndjson": "json", ".parquet": "parquet"}
 SAMPLE_BY = ("document", "paragraph", "line")
+# `datasets`' packaged builders: given as a dataset name without data_files, each reads the working directory.
+DATASETS_BUILDERS = frozenset({"arrow", "audiofolder", "csv", "imagefolder", "json", "pandas", "parquet", "sql",
+                               "text", "videofolder", "webdataset", "xml"})
+_EXAMPLE_SUFFIX = {"text": "txt", "parquet": "parquet"}
 _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_ITER_BATCH = 1024  # rows fetched at once from a `datasets` stream
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ class Source(Protocol):
 
 def open_source(spec: str | None, config: str | None = None, split: str = "train", text_column: str = "text",
                 sample_by: str = "document") -> Source:
-    """The built-in corpus when spec is None, local files when spec exists on disk (or is a glob), else the hub."""
+    """The built-in corpus when spec is None, a `save_to_disk` directory, local files when spec exists on disk (or
+    is a glob), else the hub."""
     if sample_by not in SAMPLE_BY:
         raise ConfigError(f"--sample-by {sample_by!r} is not one of {', '.join(SAMPLE_BY)}",
                           "document: one document per text file; paragraph: split at blank lines; line: per line")
@@ -71,7 +78,15 @@ def open_source(spec: str | None, config: str | None = None, split: str = "train
     if _GLOB_CHARS.search(spec) or Path(spec).expanduser().exists():
         if config is not None:
             raise ConfigError("--config applies to Hugging Face hub datasets only", "remove --config")
+        if is_saved_dataset(Path(spec).expanduser()):
+            return SavedSource(spec, split, text_column)
         return FileSource(spec, text_column, sample_by)
+    if spec.lower() in DATASETS_BUILDERS:  # `datasets` would scan the working directory for files, then fail
+        suffix = _EXAMPLE_SUFFIX.get(spec.lower(), "jsonl")
+        raise DataError(f"{spec}: a `datasets` builder name, not a dataset: it reads files, and none were named",
+                        f"pass the files themselves, e.g. nanopt tokenize 'corpus/*.{suffix}' --out DIR (.txt, "
+                        ".json/.jsonl and .parquet files, folders and globs go through the same builders; convert "
+                        "other formats to one of these)")
     if _builder_for(Path(spec)) is not None or not _HUB_NAME.match(spec):
         raise DataError(f"{spec}: no such file or directory", "check the path, or give a Hugging Face dataset name "
                         "such as HuggingFaceFW/fineweb-edu")
@@ -147,9 +162,9 @@ class FileSource:
             if plain:
                 yield from as_texts(plain_values(builder, files, column, self.sample_by, self.spec), column)
                 continue
-            stream = _load_stream(builder, f"files {self.spec}", data_files=[str(f) for f in files], split="train",
+            stream = load_stream(builder, f"files {self.spec}", data_files=[str(f) for f in files], split="train",
                                   **_builder_options(builder, self.sample_by))
-            yield from _column_texts(stream, column, self.spec)
+            yield from column_texts(stream, column, self.spec)
 
     def text_files(self) -> list[TextFile]:
         """Text and JSON files in reading order; parquet holds Arrow strings, which are UTF-8 by construction."""
@@ -219,6 +234,33 @@ def _builder_options(builder: str, sample_by: str) -> dict[str, Any]:
     return {}
 
 
+# ---------------------------------------------------------------------------------------------- save_to_disk
+
+
+class SavedSource:
+    """A directory `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote: its rows in stored order (a
+    DatasetDict: the `split` one). Arrow strings are UTF-8 by construction, so there is no file to check."""
+
+    kind = "saved"
+
+    def __init__(self, spec: str, split: str, text_column: str) -> None:
+        self.spec, self.text_column = spec, text_column
+        self.dataset, self.split = load_saved(Path(spec).expanduser(), split)
+
+    def texts(self) -> Iterator[str]:
+        yield from column_texts(self.dataset, self.text_column, self.spec)
+
+    def text_files(self) -> list[TextFile]:
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.spec, "split": self.split, "rows": len(self.dataset),
+                "text_column": self.text_column}
+
+    def size_hint(self) -> SizeHint:
+        return SizeHint(documents=len(self.dataset))
+
+
 # ---------------------------------------------------------------------------------------------- the hub
 
 
@@ -233,11 +275,18 @@ class HubSource:
 
     def _open(self) -> Any:
         if self._stream is None:
-            self._stream = _load_stream(self.name, f"dataset {self.name}", name=self.config, split=self.split)
+            if not datasets_installed():  # the first thing to fix: without `datasets` no hub dataset reads at all
+                raise needs_datasets(f"opening dataset {self.name}")
+            unreachable = None if Path(self.name).exists() else hub_unreachable()  # a local path needs no hub
+            if unreachable is not None:  # at once, not after huggingface_hub's 23 s of retries
+                raise DataError(f"could not open dataset {self.name}: the Hugging Face hub cannot be reached "
+                                f"({unreachable}), and a streamed dataset reads it as it goes",
+                                "tokenize local files instead (a file, folder or glob, or a save_to_disk directory)")
+            self._stream = load_stream(self.name, f"dataset {self.name}", name=self.config, split=self.split)
         return self._stream
 
     def texts(self) -> Iterator[str]:
-        yield from _column_texts(self._open(), self.text_column, self.name)
+        yield from column_texts(self._open(), self.text_column, self.name)
 
     def text_files(self) -> list[TextFile]:
         return []  # remote: `datasets` decodes its files strictly (a bad byte is a read error), or reads Arrow strings
@@ -250,85 +299,6 @@ class HubSource:
         splits = getattr(self._open().info, "splits", None) or {}
         info = splits.get(self.split) if hasattr(splits, "get") else None
         return SizeHint(documents=getattr(info, "num_examples", None) or None)
-
-
-# ---------------------------------------------------------------------------------------------- `datasets` glue
-
-
-class _DatasetsLogHeld(logging.Handler):
-    """The `datasets` library's log records during a call, held back: dropped when the call fails (it logs what
-    went wrong, e.g. "Failed to load JSON from file ...", on stderr before raising, and the DataError raised for
-    it says the same in nanopt's one line), passed on to its own handlers when the call succeeds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-        self.logger = logging.getLogger("datasets")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def __enter__(self) -> None:
-        self.saved = self.logger.handlers, self.logger.propagate
-        self.logger.handlers, self.logger.propagate = [self], False
-
-    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
-        self.logger.handlers, self.logger.propagate = self.saved
-        if kind is None or issubclass(kind, StopIteration):  # the end of a stream is no failure
-            for record in self.records:
-                self.logger.callHandlers(record)
-
-
-def _load_stream(path: str, what: str, **kwargs: Any) -> Any:
-    if not datasets_installed():
-        raise needs_datasets(f"opening {what}")
-    import datasets
-
-    try:
-        with _DatasetsLogHeld():
-            return datasets.load_dataset(path, streaming=True, **kwargs)
-    except Exception as exc:  # not-found, gated, offline, bad config: `datasets` raises many unrelated types
-        raise DataError(f"could not open {what}: {type(exc).__name__}: {first_line(exc)}",
-                        "check the name, --config and --split (and the internet connection for hub datasets)"
-                        ) from None
-
-
-def _column_texts(stream: Any, column: str, spec: str) -> Iterator[str]:
-    names = stream.column_names
-    if names is not None:
-        check_column(column, names, spec)
-        stream = stream.select_columns([column])
-    for rows in _read_batches(stream, spec):
-        if column not in rows:
-            check_column(column, list(rows), spec)
-        yield from as_texts(rows[column], column)
-
-
-def _read_batches(stream: Any, spec: str) -> Iterator[dict[str, list]]:
-    """The stream's row batches; a file that cannot be parsed (or a dropped download) becomes a DataError."""
-    rows = iter(stream.iter(batch_size=_ITER_BATCH))
-    while True:
-        try:
-            with _DatasetsLogHeld():
-                batch = next(rows)
-        except StopIteration:
-            return
-        except Exception as exc:  # pyarrow, fsspec and HTTP errors have no common base class
-            raise DataError(f"{spec}: reading failed: {type(exc).__name__}: {first_line(exc)}",
-                            "check that the files are valid (json: one object per line) and readable") from None
-        yield batch
-
-
-def as_texts(values: Iterable[Any], column: str = "text") -> Iterator[str]:
-    """Values of a text column as strings: a missing value is an empty document; anything else is an error."""
-    for value in values:
-        if isinstance(value, str):
-            yield value
-        elif value is None:
-            yield ""
-        else:
-            raise DataError(f"column '{column}' holds {type(value).__name__} values, not text",
-                            "name the column holding the text with --text-column")
 
 
 class TextListSource:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanopt.data.bpe_files import has_bpe_files, read_bpe_files
+from nanopt.data.hub import OFFLINE_HINT, hub_offline, hub_unreachable
 from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
@@ -80,21 +82,24 @@ def set_threads(threads: int | None) -> None:
 
 
 def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedTokenizer:
-    """A local tokenizer.json (or a directory holding one, e.g. a dataset dir), else a Hugging Face hub name."""
+    """A local tokenizer.json (or a directory holding one, e.g. a dataset dir; or GPT-2's vocab.json and
+    merges.txt, nanopt.data.bpe_files), else a Hugging Face hub name."""
     path = Path(name_or_path).expanduser()
+    bpe_files = path.is_dir() and not os.path.lexists(path / "tokenizer.json") and has_bpe_files(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-        if not os.path.lexists(path):
-            raise DataError(f"{name_or_path}: directory has no tokenizer.json",
-                            "pass the tokenizer.json file, a directory containing one, or a Hugging Face name")
+        if not os.path.lexists(path) and not bpe_files:
+            raise DataError(f"{name_or_path}: directory has no tokenizer.json, nor vocab.json and merges.txt",
+                            "pass the tokenizer.json file, a directory containing one (or GPT-2's vocab.json and "
+                            "merges.txt), or a Hugging Face name")
     extra: dict[str, Any] = {}
-    if os.path.lexists(path):  # a file, or something in its place that read_tokenizer_file refuses in one line
-        tokenizer = read_tokenizer_file(path)
+    if bpe_files or os.path.lexists(path):  # a file, or something in its place that is refused in one line
+        tokenizer = read_bpe_files(path.parent) if bpe_files else read_tokenizer_file(path)
         dataset_eos = _eos_of_dataset(path.parent, tokenizer)
         if dataset_eos is not None:
             extra["dataset"] = str(path.parent)
         config_eos = _eos_from_tokenizer_config(path.parent / "tokenizer_config.json")
-        source = str(path)
+        source = str(path.parent if bpe_files else path)
     elif name_or_path.endswith(".json"):
         raise DataError(f"{name_or_path}: tokenizer file not found", "check the path")
     else:
@@ -123,14 +128,35 @@ def read_tokenizer_file(path: Path, hint: str = "pass a file saved by Hugging Fa
 
 
 def _from_hub(name: str) -> Any:
+    """The hub's tokenizer.json of `name`; where the hub cannot be reached, the copy in the local cache, else a
+    DataError at once (not after huggingface_hub's 23 s of retries)."""
     from tokenizers import Tokenizer
 
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        cached = _cached_tokenizer_file(name)
+        if cached is not None:
+            return read_tokenizer_file(cached)
+        raise DataError(f"could not load tokenizer '{name}': the Hugging Face hub cannot be reached ({unreachable}) "
+                        "and the local cache has no copy of it", OFFLINE_HINT)
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as exc:  # network, authentication and missing-repo errors all surface as Exception here
-        raise DataError(f"could not load tokenizer '{name}' from the Hugging Face hub ({exc})",
-                        "check the name (e.g. gpt2) and the internet connection, or pass a local tokenizer.json"
-                        ) from None
+        where = " (HF_HUB_OFFLINE is set: the local cache only)" if hub_offline() else ""
+        raise DataError(f"could not load tokenizer '{name}' from the Hugging Face hub{where} ({exc})",
+                        "check the name (e.g. gpt2) and the internet connection (HF_HUB_OFFLINE=1 uses the local "
+                        "cache only), or pass a local tokenizer.json or directory") from None
+
+
+def _cached_tokenizer_file(name: str) -> Path | None:
+    """tokenizer.json of hub repo `name` in the local Hugging Face cache, as huggingface_hub finds it offline."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id=name, filename="tokenizer.json")
+    except Exception:  # an invalid repo id, or no huggingface_hub: nothing cached to offer
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def _disable_padding_and_truncation(tokenizer: Any) -> None:

@@ -36,6 +36,13 @@ def training_cost(result: dict[str, Any], price_per_hour: float | None) -> dict[
             "cost_excluding_eval_usd": cost}
 
 
+def device_hours_label(results: list[dict[str, Any]]) -> str:
+    """What the compared runs' device-hours are hours of: "GPU-h" when every run trained on GPUs, "CPU-h" when
+    every run trained on a CPU, else "device-h" (mixed, or a checkpoint older than the record of its device)."""
+    kinds = {r.get("train_device_type") for r in results}
+    return {frozenset({"cuda"}): "GPU-h", frozenset({"cpu"}): "CPU-h"}.get(frozenset(kinds), "device-h")
+
+
 def notes(results: list[dict[str, Any]]) -> list[str]:
     """Caveats for reading a comparison: different test sets or tokenizers, missing training times."""
     found = []
@@ -51,9 +58,10 @@ def notes(results: list[dict[str, Any]]) -> list[str]:
         found.append(f"no step times in metrics.jsonl for {', '.join(untimed)}: training time unknown")
     steps_only = [r["run"] for r in results if r.get("time") is None and r.get("train_seconds") is not None]
     if steps_only and len(steps_only) < len(results):
-        found.append(f"{', '.join(steps_only)} trained before nanopt recorded time per phase: its GPU-hours and cost "
-                     "count training steps only, not setup, evaluation or checkpoints")
+        found.append(f"{', '.join(steps_only)} trained before nanopt recorded time per phase: its device-hours and "
+                     "cost count training steps only, not setup, evaluation or checkpoints")
     unpriced = [r["run"] for r in results if r.get("time") is not None and r.get("cost_usd") is None]
     if unpriced:
-        found.append(f"no price for {', '.join(unpriced)}: pass --price-per-hour (USD per GPU-hour)")
+        found.append(f"no price for {', '.join(unpriced)}: pass --price-per-hour (USD per device-hour: a GPU, or "
+                     "the machine of a CPU run)")
     return found

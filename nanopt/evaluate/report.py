@@ -342,6 +342,8 @@ def training_record(trained: TrainedModel) -> dict[str, Any]:
     records = read_metrics(run.run_dir)
     return {"parameters": count_params(run.model).total, "tokens_trained": int(meta.get("tokens", 0)),
             "global_batch_tokens": run.train.global_batch_tokens, "train_world_size": int(meta.get("world_size", 1)),
+            # What the device-hours were hours of ("cpu", "cuda"); None for a checkpoint older than the field.
+            "train_device_type": meta.get("device_type"),
             "train_seconds": training_seconds(records, trained.checkpoint.step),
             # Each training session's time per phase to this checkpoint: `compare` prices them.
             "train_sessions": newest_per_session(records, trained.checkpoint.step)}

@@ -222,8 +222,19 @@ def _another_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset, 
                      f"{shell_word(original)} --out DIR`, then pass --data DIR")
 
 
+def token_rows(trained: TrainedModel) -> int:
+    """How many rows of the model's vocabulary are tokens: the tokenizer's size (with its added tokens, as the
+    export counts them), or the dataset's id range when that is larger; rows past it are padding that the loss,
+    the evaluation and sampling leave out, so they give what transformers gives on the export."""
+    tokens = trained.tokenizer().get_vocab_size()
+    if trained.dataset is not None:
+        tokens = max(tokens, trained.dataset.id_limit)
+    return min(tokens, trained.run.model.vocab_size)
+
+
 def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
-    """Transformer(config snapshot) with the checkpoint's weights, strictly, in eval mode on `device`.
+    """Transformer(config snapshot) with the checkpoint's weights, strictly, in eval mode on `device`; rows of a
+    padded vocabulary past the tokenizer's are out of its logits and loss (token_rows).
 
     The names and shapes were compared on the meta device when the checkpoint was verified; the weights must fit
     the device (CheckpointError, one line, before anything is allocated). Built directly on the device: its random
@@ -231,6 +242,6 @@ def load_model(trained: TrainedModel, device: torch.device) -> Transformer:
     """
     check_fits(trained.checkpoint, device)
     with torch.device(device):
-        model = Transformer(trained.run.model)
+        model = Transformer(trained.run.model, tokenizer_vocab_size=token_rows(trained))
     load_weights(model, trained.checkpoint)  # tensor by tensor, either layout: one copy of the weights in memory
     return model.eval()

@@ -16,8 +16,8 @@ from nanopt.model.loss_chunks import loss_chunk_rows
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    logits = F.linear(hidden, weight)  # in the autocast dtype when autocast is on
+def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor, classes: int) -> Tensor:
+    logits = F.linear(hidden, weight)[:, :classes]  # in the autocast dtype when autocast is on
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -31,14 +31,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int, classes: int) -> Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = hidden.new_zeros((), dtype=torch.float32)
         for begin in range(0, hidden.shape[0], chunk_rows):
             rows = slice(begin, begin + chunk_rows)
-            chunk_loss, grad_logits = _chunk_loss_and_grad(hidden[rows], weight, targets[rows])
+            chunk_loss, grad_logits = _chunk_loss_and_grad(hidden[rows], weight, targets[rows], classes)
             total = total + chunk_loss
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
@@ -59,12 +59,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         d_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None
         d_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
-        return d_hidden, d_weight, None, None
+        return d_hidden, d_weight, None, None, None
 
 
-def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Summed loss of one chunk and d(summed loss)/d(logits) in the matmul dtype; ignored rows contribute 0."""
+def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, classes: int) -> tuple[Tensor, Tensor]:
+    """Summed loss of one chunk and d(summed loss)/d(logits) in the matmul dtype; ignored rows contribute 0, and
+    so do the columns from `classes` on (padded vocabulary rows: their -inf logits have probability 0)."""
     logits = (hidden @ weight.t()).float()
+    if classes < logits.shape[1]:
+        logits[:, classes:] = float("-inf")
     valid = targets != IGNORE_INDEX
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
     log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -122,27 +125,32 @@ def _compute_dtype(tensor: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
-def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int | None = None) -> Tensor:
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int | None = None,
+                          classes: int | None = None) -> Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against targets, equal to F.cross_entropy on the full logits.
 
-    hidden [N, C], weight [V, C], targets [N] with -100 ignored. Works through chunks of `chunk_rows` rows (default:
+    hidden [N, C], weight [V, C], targets [N] with -100 ignored. `classes` (default V): only the first `classes`
+    columns of the logits are classes; the rest (a vocabulary padded for aligned GEMMs) stay in the matmul but out
+    of the softmax, and get no gradient. Works through chunks of `chunk_rows` rows (default:
     nanopt.model.loss_chunks.loss_chunk_rows), so peak memory holds one chunk of fp32 logits instead of N x V; with
     autograd the gradients are formed in the same pass (see _LinearCrossEntropy). One chunk (small logits) is the
     plain full-logits loss, left to autograd. Under autocast the matmuls run in the autocast dtype and the softmax
     in fp32. The loop bounds are shapes, so torch.compile sees static control flow.
     """
     rows = hidden.shape[0]
+    classes = weight.shape[0] if classes is None else classes
     if chunk_rows is None:
         chunk_rows = loss_chunk_rows(rows, weight.shape[0])
     differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if differentiable and chunk_rows < rows:
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
-            total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows)
+            total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows,
+                                             classes)
     else:  # evaluation, or logits small enough to keep whole: autograd differentiates F.cross_entropy
         total = hidden.new_zeros((), dtype=torch.float32)
         for begin in range(0, rows, chunk_rows):
             end = begin + chunk_rows
-            total = total + _chunk_loss_sum(hidden[begin:end], weight, targets[begin:end])
+            total = total + _chunk_loss_sum(hidden[begin:end], weight, targets[begin:end], classes)
     # All targets ignored gives 0 / 0 = nan, exactly as F.cross_entropy's mean does.
     return total / (targets != IGNORE_INDEX).sum()

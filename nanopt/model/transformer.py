@@ -28,6 +28,11 @@ Attention biases (q/k/v/o) follow `attention_bias`, MLP biases follow `mlp_bias`
 `state_dict()` lists both `embed_tokens.weight` and `lm_head.weight` (one shared tensor); `parameters()` yields it
 once.
 
+A vocabulary padded for aligned GEMMs (GPT-2's 50,257 tokens in 50,304 rows) has rows that are never a token.
+`Transformer(cfg, tokenizer_vocab_size=N)` keeps the full-width head GEMM but leaves rows N and up out of the
+softmax: the logits have N columns and the loss normalizes over N classes, so the loss, every evaluation and every
+sample equal those of the exported model, which keeps only the first N rows (nanopt.export.hf).
+
 Building on the "meta" device (`with torch.device("meta"): Transformer(cfg)`) allocates nothing; after
 `to_empty(device=...)` call `init_weights()` to fill the parameters.
 """
@@ -235,12 +240,19 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tokenizer_vocab_size: int | None = None) -> None:
+        """tokenizer_vocab_size: how many rows of the vocabulary are tokens (None: all of them); see the module
+        docstring."""
         super().__init__()
         if cfg.architecture not in ("llama", "gpt2"):
             raise ConfigError(f"model.json: key 'architecture': unknown architecture {cfg.architecture!r}",
                               'use "llama" or "gpt2"')
+        if tokenizer_vocab_size is not None and not 1 <= tokenizer_vocab_size <= cfg.vocab_size:
+            raise ValueError(f"tokenizer_vocab_size {tokenizer_vocab_size} is outside the model's vocabulary of "
+                             f"{cfg.vocab_size} rows")
         self.cfg = cfg
+        # Rows [token_rows, vocab_size) are padding: out of the logits and the loss's softmax.
+        self.token_rows = cfg.vocab_size if tokenizer_vocab_size is None else tokenizer_vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.architecture == "gpt2":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
@@ -292,8 +304,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
                 kv_cache: KVCache | None = None) -> Tensor:
-        """Logits [B, T, vocab] when targets is None, else the mean cross-entropy (fp32 scalar) over targets
-        that are not -100. With kv_cache, input_ids continue the cached sequence and are appended to it."""
+        """Logits [B, T, token_rows] when targets is None, else the mean cross-entropy (fp32 scalar) over
+        targets that are not -100. With kv_cache, input_ids continue the cached sequence and are appended to it."""
         batch, seq = input_ids.shape
         start = 0 if kv_cache is None else kv_cache.length
         self._check_lengths(batch, seq, start, kv_cache)
@@ -310,9 +322,11 @@ class Transformer(nn.Module):
             kv_cache.advance(seq)
         x = self.norm(x)
         if targets is None:
-            return self.lm_head(x)
+            # The GEMM keeps the padded (aligned) width; the padded columns are dropped from the result.
+            logits = self.lm_head(x)
+            return logits if self.token_rows == self.cfg.vocab_size else logits[..., :self.token_rows]
         return chunked_cross_entropy(x.reshape(batch * seq, -1), self.lm_head.weight, targets.reshape(-1),
-                                     self.loss_chunk_rows)
+                                     self.loss_chunk_rows, self.token_rows)
 
     def _check_lengths(self, batch: int, seq: int, start: int, kv_cache: KVCache | None) -> None:
         # Shapes and the cache length are Python ints: these checks cost no device sync.

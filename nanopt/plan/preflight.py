@@ -191,7 +191,7 @@ def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progres
     measured.end_peak_bytes = memory.peak()
     measured.peak_bytes = max(measured.peak_bytes, measured.end_peak_bytes)
     measured.skipped_steps = session.state.skipped_steps
-    measured.chance_loss = math.log(session.run.model.vocab_size)
+    measured.chance_loss = math.log(session.dataset.id_limit)  # the padded vocabulary rows are never a class
 
 
 def _measure_eval_and_checkpoint(session: Any, measured: Measured, progress: Progress) -> None:

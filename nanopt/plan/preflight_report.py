@@ -130,19 +130,13 @@ def _memory_measure(rt: Any) -> str:
 
 
 def _throughput(run: RunConfig, rt: Any, tokens_per_s: float) -> dict[str, Any]:
-    """MFU against the device's dense peak (nanopt.runtime.device_peak_flops); on a CPU, against the peak
-    `nanopt estimate --gpu cpu` works out for this machine, so the two compare (all ranks share its cores)."""
-    from nanopt.hardware import cpu_peak
+    """MFU against each rank's dense peak (nanopt.runtime.device_peak_flops: on a CPU, this machine's peak as
+    `nanopt estimate --gpu cpu` works it out, which the ranks share), as training reports it."""
     from nanopt.model.flops import flops_per_token, mfu, mfu_note
     from nanopt.runtime import device_peak_flops
 
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
-    devices = rt.world_size
-    if peak is None and rt.device.type != "cuda":
-        found = cpu_peak()
-        if found is not None:
-            peak, source, devices = found.flops, found.describe(), 1
-    utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), devices, peak)
+    utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), rt.world_size, peak)
     return {"mfu": utilization, "mfu_note": mfu_note(utilization, peak), "peak_flops": peak, "peak_source": source}
 
 

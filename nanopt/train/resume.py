@@ -3,7 +3,8 @@
 Three kinds of setting:
 - free: logging, eval and checkpoint cadence, compile, activation checkpointing; they do not change the maths.
 - allowed with --allow-changed: the learning-rate schedule, the budget, clipping, weight decay and the micro-batch
-  size (the global batch stays).
+  size (the global batch stays); the micro-batch is free when the world size changed too, and a resume on a
+  world size that cannot take train.json's lowers it by itself (nanopt.train.world_fit).
 - the world size is free too: the loader's position is global (the same samples follow on any number of ranks)
   and either checkpoint layout reshards the optimizer state, so an elastic restart on fewer or more ranks needs
   no person. Exact: the data order and the state; not bitwise: the losses (sums reduced in another order), and
@@ -62,11 +63,15 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
 
 
 def check_resumable(meta: dict[str, Any], run: RunConfig, fingerprint: str,
-                    allow_changed: bool, tokenizer_sha256: str | None = None) -> None:
+                    allow_changed: bool, tokenizer_sha256: str | None = None, world_size: int | None = None) -> None:
     if meta.get("weights_only") is True:
         _check_weights_only_start(meta, run, tokenizer_sha256)
         return
-    diffs = [d for d in config_differences(meta["config"], run.snapshot()) if d[0].split(".", 1)[1] not in FREE]
+    free = FREE
+    if meta.get("world_size", world_size) != world_size:
+        # Another world size already reorders the sums; the micro-batch it may force (train.world_fit) is free too.
+        free = FREE | {"micro_batch_size"}
+    diffs = [d for d in config_differences(meta["config"], run.snapshot()) if d[0].split(".", 1)[1] not in free]
     if meta.get("data_fingerprint") not in (None, fingerprint):
         diffs.append(("data (dataset contents)", meta.get("data_fingerprint"), fingerprint))
     if not diffs:
@@ -108,7 +113,7 @@ def maybe_resume(s: Session) -> None:
         s.metrics.truncate_after(0)
         return
     check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed,
-                    s.dataset.tokenizer_sha256)
+                    s.dataset.tokenizer_sha256, s.rt.world_size)
     load_checkpoint(s, found)
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk

@@ -148,7 +148,7 @@ def _meta(s: Session, rank_states: list) -> dict[str, Any]:
     meta = {**s.train_state.state_dict(rank_states), "world_size": s.rt.world_size,
             "tied": tied_aliases(s.prepared.raw), "config": s.run.snapshot(),
             "data_fingerprint": data_fingerprint(s.dataset), "tokenizer_sha256": s.dataset.tokenizer_sha256,
-            "eos_id": s.dataset.eos_id}
+            "eos_id": s.dataset.eos_id, "device_type": s.rt.device.type}  # "cpu" / "cuda": what a device-hour was
     meta.pop("step")  # publish sets it
     return meta
 

@@ -22,6 +22,7 @@ from nanopt.train.parallel import Prepared, prepare
 from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
+from nanopt.train.world_fit import micro_batch_for_world
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     if writes:
         check_sink_packages(run)  # a missing tensorboard / wandb package is refused before any costly work
     memory = MemoryProbe(rt.device)  # before the model: it measures the CUDA context
+    run, lowered = micro_batch_for_world(run, rt.world_size, opts.resume)
     accum = run.grad_accum_steps(rt.world_size)
     check_model_fits(run, rt)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
@@ -117,11 +119,14 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         # training, find-batch, profile and preflight (which wrap this loader to time it) all read the same way.
         loader.prefetch(pin_for=rt.device)
     seed_everything(run.train.seed)
-    prepared = prepare(Transformer(run.model), rt, run.train)
+    # The dataset's ids are the tokens: a model vocabulary padded past them keeps its padded rows out of the softmax.
+    prepared = prepare(Transformer(run.model, tokenizer_vocab_size=dataset.id_limit), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
     observer = observer if observer is not None and rt.is_main else Silent()
+    if lowered:
+        observer.note(lowered)
     sinks = build_sinks(run, observer.note) if rt.is_main and writes else None
     return Session(
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,

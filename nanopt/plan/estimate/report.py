@@ -70,13 +70,29 @@ def _throughput_source(run: RunConfig | None,
     if found is None or note is not None:
         return replace(opts, mfu=DEFAULT_MFU), None, {"kind": "assumed", "mfu": DEFAULT_MFU, "note": note}
     projection = found["projection"]
+    outdated = _projection_outdated(run, projection)  # the speed still holds; the whole-run total does not
     return opts, float(found["tokens_per_s"]), {
         "kind": "preflight", "path": str(RunDir(run.run_dir).preflight_json), "device": measured_on["name"],
         "gpu": key, "world_size": world, "measured_at": found["time"], "steps": _number(found["steps"].get("measured")),
         "tokens_per_s": found["tokens_per_s"], "mfu": _number(found.get("mfu")),
-        "projected_total_seconds": _number(projection.get("total_s")),
-        "projected_cost_usd": _number(projection.get("total_cost_usd")), "failed_checks": found["failed"],
-        "note": None}
+        "projected_total_seconds": None if outdated else _number(projection.get("total_s")),
+        "projected_cost_usd": None if outdated else _number(projection.get("total_cost_usd")),
+        "projection_outdated": outdated, "failed_checks": found["failed"], "note": None}
+
+
+def _projection_outdated(run: RunConfig, projection: dict[str, Any]) -> str | None:
+    """Why preflight's whole-run projection no longer describes the run (the budget or the evaluation or checkpoint
+    cadence changed since: they are not speed settings, so its tokens/s still stands), or None."""
+    from nanopt.train.phases import occasions
+
+    now = {"steps": run.total_steps,
+           "evaluations": occasions(run.train.eval_interval, 0, run.total_steps) if run.train.eval_interval else 0,
+           "checkpoints": occasions(run.train.checkpoint_interval, 0, run.total_steps)}
+    for name, count in now.items():
+        if projection.get(name) != count:
+            return (f"it projected {projection.get(name)} {name}, the run now has {count}: run `nanopt preflight "
+                    f"{shell_word(run.run_dir)}` again for the whole-run projection")
+    return None
 
 
 def _number(value: Any) -> float | None:

@@ -22,9 +22,10 @@ from nanopt.plan.find_batch.search import (
     grad_accum_for,
     judge,
     memory_limit,
-    search,
+    search_among,
     trials_in_process,
     usable_bytes,
+    usable_micro_batches,
 )
 from nanopt.plan.find_batch.trials import InProcessTrials, ProcessTrials
 from nanopt.rundir import RunDir
@@ -118,6 +119,8 @@ def _check_device(opts: FindBatchOptions, on_cuda: bool) -> None:
 def _search(run: RunConfig, opts: FindBatchOptions, runner: Callable[[int], dict[str, Any]], world: int,
             device: dict[str, Any], isolation: str, on_start: Callable[[int], None] | None,
             on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
+    # Only sizes the run can use are tried: one that does not divide the global batch could not be trained with.
+    sizes = usable_micro_batches(run.train, run.seq_len, world, opts.maximum)
     trials: dict[int, Trial] = {}
     facts: dict[str, Any] = {}
     usable = usable_bytes(memory_limit(opts, device["device_memory_bytes"]), opts.margin)
@@ -143,18 +146,20 @@ def _search(run: RunConfig, opts: FindBatchOptions, runner: Callable[[int], dict
             on_trial(trial)
         return trial.fits
 
-    max_fit, order = search(fits, start, opts.maximum, max_trials=opts.max_trials, growth=growth)
-    report = _report(run, opts, world, max_fit, order, trials, facts)
-    report.update(_search_facts(opts, max_fit, trials, predicted, start, isolation))
+    max_fit, order = search_among(fits, sizes, start, max_trials=opts.max_trials, growth=growth)
+    report = _report(run, opts, world, max_fit, order, trials, facts, capped=max_fit == sizes[-1])
+    report.update(_search_facts(opts, max_fit, trials, sizes, predicted, order[0], isolation))
     return report
 
 
-def _search_facts(opts: FindBatchOptions, max_fit: int, trials: dict[int, Trial], predicted: int | None, start: int,
-                  isolation: str) -> dict[str, Any]:
+def _search_facts(opts: FindBatchOptions, max_fit: int, trials: dict[int, Trial], sizes: list[int],
+                  predicted: int | None, start: int, isolation: str) -> dict[str, Any]:
     """How the search went: where it started and why, and whether it closed in on its answer."""
-    # Complete: the next size up failed (or there is none); otherwise --max-trials ended the search first.
-    complete = max_fit == opts.maximum or (max_fit + 1 in trials and not trials[max_fit + 1].fits)
+    # Complete: the next usable size up failed (or there is none); otherwise --max-trials ended the search first.
+    above = [size for size in sizes if size > max_fit]
+    complete = not above or (above[0] in trials and not trials[above[0]].fits)
     return {"micro_batch": max_fit, "predicted_micro_batch": predicted, "search_start": start,
+            "usable_micro_batches": sizes,
             "search_start_source": "--start" if opts.start is not None else "memory model",
             "search_complete": complete, "max_trials": opts.max_trials, "isolation": isolation}
 
@@ -194,14 +199,13 @@ def _trial(run: RunConfig, world: int, size: int, m: dict[str, Any], facts: dict
 
 
 def _report(run: RunConfig, opts: FindBatchOptions, world: int, max_fit: int, order: list[int],
-            trials: dict[int, Trial], facts: dict[str, Any]) -> dict[str, Any]:
+            trials: dict[int, Trial], facts: dict[str, Any], capped: bool) -> dict[str, Any]:
     limit = memory_limit(opts, facts.get("device_memory_bytes"))
     fitting = [t for t in trials.values() if t.fits]
     exact = [t for t in fitting if t.grad_accum is not None]
     best = max(exact or fitting, key=lambda t: (t.tokens_per_s or 0.0, t.micro_batch_size), default=None)
     max_exact = max((t.micro_batch_size for t in exact), default=None)
-    calibration = calibrate(run, world, facts, trials, usable_bytes(limit, opts.margin), max_fit,
-                            capped=max_fit == opts.maximum)
+    calibration = calibrate(run, world, facts, trials, usable_bytes(limit, opts.margin), max_fit, capped=capped)
     configured = run.train.micro_batch_size
     return {
         "run": str(run.run_dir), "device": facts.get("device"), "device_name": facts.get("device_name"),
@@ -213,7 +217,7 @@ def _report(run: RunConfig, opts: FindBatchOptions, world: int, max_fit: int, or
                   "gpu_memory_cap": opts.gpu_memory, "context_bytes": facts.get("context_bytes"),
                   "baseline_bytes": facts.get("baseline_bytes")},
         "max_micro_batch": max_fit,
-        "max_micro_batch_capped": max_fit == opts.maximum,  # every size up to --max fit: the true max is higher
+        "max_micro_batch_capped": capped,  # every usable size up to --max fit: the true max may be higher
         "best_micro_batch": best.micro_batch_size if best else None,
         "max_exact_micro_batch": max_exact,
         "global_batch_tokens": run.train.global_batch_tokens,

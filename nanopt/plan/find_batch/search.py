@@ -5,6 +5,7 @@ Pure: no torch at import, no processes; `search` is tested as a function of a pr
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +133,29 @@ def _bracket(attempt: Callable[[int], bool], start: int, maximum: int, growth: f
             return size, fail
         fail, factor = size, min(2.0, factor * growth)
     return 0, fail
+
+
+def search_among(fits: Callable[[int], bool], sizes: list[int], start: int, max_trials: int | None = None,
+                 growth: float = 2.0) -> tuple[int, list[int]]:
+    """`search` over the ascending `sizes` only (it steps and bisects over their positions), from the largest size
+    <= start (else the smallest). Returns (the largest size that fits, or 0, and the sizes in the order tried)."""
+    first = max(1, bisect.bisect_right(sizes, start))
+    found, tried = search(lambda position: fits(sizes[position - 1]), first, len(sizes), max_trials, growth)
+    return (sizes[found - 1] if found else 0), [sizes[position - 1] for position in tried]
+
+
+def usable_micro_batches(train: TrainConfig, seq_len: int, world_size: int, maximum: int) -> list[int]:
+    """The micro-batch sizes up to `maximum` the run can use: those that divide its global batch exactly (a whole
+    accumulation), ascending. ConfigError when none can, because the global batch is not a whole number of
+    sequences per rank: then no search could find one."""
+    sequences, remainder = divmod(train.global_batch_tokens, seq_len * world_size)
+    if remainder or sequences < 1:
+        multiple = seq_len * world_size
+        raise ConfigError(f"train.json: global_batch_tokens {train.global_batch_tokens:,} is not a multiple of "
+                          f"seq_len x world size = {seq_len} x {world_size}: no micro-batch divides it",
+                          f"set global_batch_tokens to a multiple of {multiple:,}, e.g. "
+                          f"{max(1, round(train.global_batch_tokens / multiple)) * multiple:,}")
+    return [n for n in range(1, min(sequences, maximum) + 1) if sequences % n == 0]
 
 
 def agree(rt: Any, fits_local: bool) -> bool:
