@@ -123,6 +123,8 @@ def outputs(command: str, params: dict) -> set[Path]:
         return {params["out"] or RunDir(params["run_dir"]).export_dir}
     if command == "import":
         return {params["run"]}
+    if command == "estimate" and params.get("write_model"):
+        return {params["write_model"]}
     if command == "train" and (REPO / params["run_dir"] / "train.json").is_file():
         return kept_checkpoints(params["run_dir"], params["sets"] or [])
     return set()

@@ -23,12 +23,11 @@ from typing import Any
 
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
-from nanopt.files import replace_file
+from nanopt.files import make_dir, replace_file
 from nanopt.hardware import is_cpu
 from nanopt.model.flops import count_params, flops_per_token, train_seconds
 from nanopt.plan.estimate.options import EstimateOptions
 from nanopt.plan.estimate.target import target_for
-from nanopt.shown import shell_word
 
 # Width / depth of the families' published shapes: GPT-2 small 768 / 12 = 64; Llama 3.2 1B 2048 / 16 and
 # Llama 2 7B 4096 / 32 = 128.
@@ -151,12 +150,10 @@ def plan_budget(model: ModelConfig | None, opts: EstimateOptions) -> dict[str, A
 
 
 def write_model_json(path: Path, model: dict[str, Any]) -> None:
-    """The planned model.json at `path`, a new file (never over an existing one, never through a link), written
-    whole or not at all (nanopt.files.replace_file)."""
+    """The planned model.json at `path`, a new file (never over an existing one, never through a link), in a
+    directory made if missing (a new run directory), written whole or not at all (nanopt.files.replace_file)."""
     if os.path.lexists(path):
         raise ConfigError(f"--write-model {path}: already exists, and nanopt does not overwrite a model.json",
                           "choose a new path, e.g. runs/NEW/model.json, or remove the file")
-    if not Path(path).parent.is_dir():
-        raise ConfigError(f"--write-model {path}: its directory does not exist",
-                          f"create it first: mkdir -p {shell_word(Path(path).parent)}")
+    make_dir(Path(path).parent, parents=True)
     replace_file(path, json.dumps(model, indent=2) + "\n")
