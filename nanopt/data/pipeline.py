@@ -35,6 +35,7 @@ from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.output import check_output, staging_dir, write_meta
 from nanopt.data.settings import TokenizeSettings, run_eval
 from nanopt.data.shards import SplitWriter, token_dtype
+from nanopt.data.shuffle import ShuffledSource
 from nanopt.data.sources import Source, open_source
 from nanopt.data.stats import SplitStats
 from nanopt.data.summary import summarize
@@ -83,6 +84,8 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
     src = source if hasattr(source, "texts") else open_source(source, given.config, given.split,
                                                                 given.text_column, given.sample_by)
     opts = given.resolved(src, evaluation)
+    if opts.shuffle_buffer is not None:  # the tokenizer's sample, the splits and the shards all see this order
+        src = ShuffledSource(src, opts.shuffle_buffer, opts.shuffle_seed)
     reporter = progress or ProgressReporter()
     fix_mmap_threshold()
     started = time.monotonic()
