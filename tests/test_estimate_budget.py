@@ -51,8 +51,13 @@ def test_run_directory_gives_the_family(tmp_path):
     assert report["model"]["architecture"] == "gpt2" and report["model"]["vocab_size"] == 50304
     result = run_cli("estimate", "runs/demo", "--flops", "1e15", "--json")
     assert result.returncode == 0, result.stderr
-    demo = json.loads(result.stdout)["model"]
+    planned = json.loads(result.stdout)
+    demo = planned["model"]
     assert (demo["architecture"], demo["vocab_size"], demo["max_position_embeddings"]) == ("llama", 1024, 256)
+    assert demo["num_attention_heads"] == 2 * demo["num_key_value_heads"]  # the demo's grouping
+    # a budget this small still gets a model near its optimum (widths step by a head group, not a fixed 256)
+    small = json.loads(run_cli("estimate", "runs/demo", "--flops", "3e13", "--json").stdout)
+    assert small["optimal_params"] == 500_000 and abs(small["model_params_vs_optimal"] - 1) <= 0.1
 
 
 def test_write_model_writes_a_loadable_model_json_once(tmp_path):

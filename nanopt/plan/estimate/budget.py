@@ -77,18 +77,27 @@ def shape(template: ModelConfig, layers: int, hidden: int) -> ModelConfig:
                                num_key_value_heads=kv_heads, intermediate_size=intermediate)
 
 
-def _closest_width(template: ModelConfig, layers: int, target: int) -> tuple[ModelConfig, int]:
-    """The width whose count is closest to `target`, in steps of 128 x the template's queries per KV head (so either
-    head width divides it and the grouping holds); the count grows with the width, so a bisection finds it."""
-    step = 128 * (template.num_attention_heads // template.num_key_value_heads)
-    low, high = 1, max(1, MAX_HIDDEN // step)
+def widths(template: ModelConfig) -> list[int]:
+    """The widths a planned model may have, ascending: whole heads of head_dim_for's width, in whole groups of the
+    template's queries per KV head."""
+    group = template.num_attention_heads // template.num_key_value_heads
+    steps = {hidden for hidden in range(64 * group, MAX_HIDDEN + 1, 64 * group)}
+    return sorted(hidden for hidden in steps
+                  if hidden % (head_dim_for(template.architecture, hidden) * group) == 0)
+
+
+def _closest_width(template: ModelConfig, layers: int, target: int,
+                   candidates: list[int]) -> tuple[ModelConfig, int]:
+    """The width of `candidates` whose count is closest to `target`; the count grows with the width, so a
+    bisection finds it."""
+    low, high = 0, len(candidates) - 1
     while low < high:
         mid = (low + high) // 2
-        if count_params(shape(template, layers, step * mid)).total < target:
+        if count_params(shape(template, layers, candidates[mid])).total < target:
             low = mid + 1
         else:
             high = mid
-    options = [shape(template, layers, step * m) for m in {max(1, low - 1), low}]
+    options = [shape(template, layers, candidates[i]) for i in {max(0, low - 1), low}]
     best = min(options, key=lambda cfg: abs(count_params(cfg).total - target))
     return best, count_params(best).total
 
@@ -96,7 +105,8 @@ def _closest_width(template: ModelConfig, layers: int, target: int) -> tuple[Mod
 def model_for(template: ModelConfig, params: int) -> ModelConfig:
     """The most balanced shape of the template's family whose parameter count is within SHAPE_TOLERANCE of
     `params`; the closest count when none is (a budget so small the embeddings alone exceed it)."""
-    candidates = [_closest_width(template, layers, params) for layers in range(1, MAX_LAYERS + 1)]
+    grid = widths(template)
+    candidates = [_closest_width(template, layers, params, grid) for layers in range(1, MAX_LAYERS + 1)]
     aspect = TARGET_ASPECT[template.architecture]
 
     def imbalance(cfg: ModelConfig) -> float:
