@@ -62,8 +62,8 @@ class ModelConfig:
     # checkpoint that does not name one means its default).
     qkv_bias: bool | None = None  # biases on the q, k, v projections; default: as attention_bias (which has o_proj)
     qk_norm: bool = False  # RMSNorm (rms_norm_eps) on each head's queries and keys, before RoPE (Qwen3)
-    init: InitRule = "normal"  # normal: N(0, initializer_range); fan_in: N(0, 1 / fan_in) for the projections
-    document_masking: bool = False  # attention stops at EOS: a token sees only its own document (train.json's data)
+    init: InitRule = "normal"  # normal: std initializer_range; fan_in: std 1/sqrt(fan_in) for the projections
+    document_masking: bool = False  # attention stops at EOS: a token sees its own document only, positions restart
     eos_token_id: int | None = None  # the EOS that ends a document, with document_masking (the dataset's)
 
     def __post_init__(self) -> None:
