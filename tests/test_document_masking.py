@@ -4,12 +4,12 @@ documents computes alone; training with it (and qk_norm) resumes exactly; a wron
 from __future__ import annotations
 
 import json
-import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from trainhelp import final_weights_hash, losses, make_run
+from trainhelp import eval_losses, final_weights_hash, losses, make_run
 
 from nanopt.config import ModelConfig
 from nanopt.model.documents import document_positions
@@ -87,22 +87,24 @@ def with_eos(dataset: Path) -> dict:
     return {**OPTIONS, "eos_token_id": json.loads((dataset / "meta.json").read_text())["eos_id"]}
 
 
-def test_training_with_the_options_resumes_exactly(tmp_path, tiny_dataset, cli_in_process):
-    settings = dict(model=with_eos(tiny_dataset), max_steps=4, checkpoint_interval=2, eval_interval=0)
+def test_training_with_the_options_resumes_exactly_after_a_kill(tmp_path, tiny_dataset, launcher, cli_in_process):
+    settings = dict(model=with_eos(tiny_dataset), max_steps=6, checkpoint_interval=2, eval_interval=3)
     straight = make_run(tmp_path, tiny_dataset, "straight", **settings)
-    assert cli_in_process("train", straight).returncode == 0
-    # the state a run interrupted after its step-2 checkpoint leaves: the run directory and that checkpoint
-    resumed = make_run(tmp_path, tiny_dataset, "resumed", **settings)
-    (resumed / "checkpoints").mkdir()
-    shutil.copytree(straight / "checkpoints" / "step-000002", resumed / "checkpoints" / "step-000002")
-    result = cli_in_process("train", resumed)
-    assert result.returncode == 0 and "resumed from" in result.stderr, result.stderr
-    assert [losses(straight)[s] for s in (3, 4)] == [losses(resumed)[s] for s in (3, 4)]
-    assert final_weights_hash(resumed) == final_weights_hash(straight)
+    launcher.train(straight)
+    # SIGKILLed as it reads step 4's first batch, once its step-2 checkpoint is complete; then started again
+    killed = make_run(tmp_path, tiny_dataset, "killed", **settings)
+    child = launcher.start("train", killed, "--no-live", kill_at_step={
+        "step": 4, "checkpoints": str(killed / "checkpoints"), "latest": "step-000002"})
+    assert launcher.wait(child) == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed = launcher.train(killed)
+    assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
+    assert [losses(straight)[s] for s in range(3, 7)] == [losses(killed)[s] for s in range(3, 7)]
+    assert eval_losses(straight) == eval_losses(killed)
+    assert final_weights_hash(killed) == final_weights_hash(straight)
     # an option of the model cannot change on resume
-    model = json.loads((resumed / "model.json").read_text())
-    (resumed / "model.json").write_text(json.dumps({**model, "qk_norm": False}))
-    refused = cli_in_process("train", resumed, "--set", "max_steps=6", "--allow-changed")
+    model = json.loads((killed / "model.json").read_text())
+    (killed / "model.json").write_text(json.dumps({**model, "qk_norm": False}))
+    refused = cli_in_process("train", killed, "--set", "max_steps=8", "--allow-changed")
     assert refused.returncode == 2 and "model.qk_norm: True -> False" in refused.stderr
 
 
