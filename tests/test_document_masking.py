@@ -131,3 +131,19 @@ def test_memory_model_counts_the_mask_autograd_keeps():
         shared_rope = 2 * 4 * 64 * 16 if architecture == "llama" else 0
         # beyond the model: the [B, T] document indices and positions (int64)
         assert 0 <= measured + shared_rope - predicted <= 2 * 2 * 64 * 8, (architecture, measured, predicted)
+
+
+def test_generation_continues_the_prompts_last_document():
+    from nanopt.model.generate import generate
+
+    torch.manual_seed(0)
+    model = Transformer(tiny("llama"))
+    with torch.no_grad():  # weights far from their init, so the next token depends on what the model attends to
+        for param in model.parameters():
+            param.add_(0.5 * torch.randn_like(param))
+    first, last = documents([9, 5], seed=7)
+    for prompt in (torch.cat([first, last]).tolist(), first.tolist()):  # the last document; a prompt ending at EOS
+        own = prompt[len(first):] if len(prompt) > len(first) else prompt
+        cached = generate(model, prompt, 12, temperature=0, use_cache=True)
+        assert cached == generate(model, prompt, 12, temperature=0, use_cache=False)
+        assert cached == generate(model, own, 12, temperature=0, use_cache=True)
