@@ -282,7 +282,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """N(0, std) weights, zero biases, unit norms. std is initializer_range (init "normal"), or 1/sqrt(fan_in)
-        for the projections (init "fan_in"; the embeddings keep initializer_range, a tied head with them). Either
+        for the projections (init "fan_in"; the embeddings and the output head keep initializer_range). Either
         way the residual output projections are scaled down by 1/sqrt(2 * layers) so the residual stream's
         variance does not grow with depth."""
         self.tie_weights()
