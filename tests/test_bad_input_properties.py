@@ -153,7 +153,8 @@ raw_json_values = st.one_of(st.sampled_from(EXTREMES + WRONG_TYPES), json_values
 
 # Keys where 0 is a legitimate value (README: "0: off" and friends); everywhere else a number must be positive.
 ZERO_OK_KEYS = {"warmup_steps", "eval_interval", "checkpoint_interval", "seed", "grad_clip", "weight_decay", "dropout",
-                "min_lr_ratio", "beta1", "beta2", "price_per_hour", "recovery_skip_steps", "recovery_lr_steps"}
+                "min_lr_ratio", "beta1", "beta2", "price_per_hour", "recovery_skip_steps", "recovery_lr_steps",
+                "eos_token_id"}  # a token id: 0 is a vocabulary's first token
 
 
 def parse_json(raw: str) -> tuple[bool, Any]:

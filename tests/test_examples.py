@@ -123,6 +123,8 @@ def outputs(command: str, params: dict) -> set[Path]:
         return {params["out"] or RunDir(params["run_dir"]).export_dir}
     if command == "import":
         return {params["run"]}
+    if command == "estimate" and params.get("write_model"):
+        return {params["write_model"]}
     if command == "train" and (REPO / params["run_dir"] / "train.json").is_file():
         return kept_checkpoints(params["run_dir"], params["sets"] or [])
     return set()
@@ -201,5 +203,7 @@ def test_an_estimate_example_runs(example: Example, cli_in_process, monkeypatch:
         if str(copy) in argv:  # the README's copy of a shipped run: estimate it in a directory of its own
             shutil.copytree(REPO / source, tmp_path / copy)
             monkeypatch.chdir(tmp_path)
+    if "--write-model" in argv:  # writes a new run's model.json: elsewhere than the repository, and anew each time
+        monkeypatch.chdir(tmp_path)
     result = cli_in_process(*argv)
     assert result.returncode == 0, f"{example.block}: `{example.line}`: {result.stderr}"

@@ -195,3 +195,38 @@ def test_vocab_padded_past_the_tokenizer_is_sliced_back(name, tmp_path):
         hf_logits, ours = hf_model(ids).logits, model(ids)
     assert hf_logits.shape[-1] == real_vocab
     assert (hf_logits - ours[..., :real_vocab]).abs().max().item() < 1e-4
+
+
+# model.json options and the transformers model that has each: Qwen2 (biases on q/k/v only), Qwen3 (qk-norm)
+OPTION_CONFIGS = {
+    "Qwen2ForCausalLM": tiny("llama", qkv_bias=True, attention_bias=False, num_key_value_heads=2),
+    "Qwen3ForCausalLM": tiny("llama", qk_norm=True, num_key_value_heads=2, tie_word_embeddings=False),
+    "Qwen3ForCausalLM-biases": tiny("llama", qk_norm=True, attention_bias=True, init="fan_in"),
+    "LlamaForCausalLM-fan-in": tiny("llama", init="fan_in", mlp_bias=True),
+    "GPT2LMHeadModel-document-masking": tiny("gpt2", document_masking=True, eos_token_id=0),
+}
+
+
+@pytest.mark.parametrize("name", OPTION_CONFIGS)
+def test_model_options_export_to_the_transformers_model_that_has_them(name, tmp_path):
+    cfg = OPTION_CONFIGS[name]
+    model = trained_looking_model(cfg)
+    hf_model = load_hf(export_hf(cfg, model.state_dict(), None, tmp_path / "export", eos_id=0))
+    assert type(hf_model).__name__ == name.split("-")[0]
+    ids = torch.randint(1, cfg.vocab_size, (2, 40))  # one document: no EOS (id 0) inside
+    with torch.no_grad():
+        assert (hf_model(ids).logits - model(ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (dict(architecture="gpt2", qkv_bias=False), "qkv_bias"),
+    (dict(architecture="gpt2", qk_norm=True), "qk_norm"),
+    (dict(architecture="llama", qk_norm=True, mlp_bias=True), "qk_norm"),
+    (dict(architecture="llama", qkv_bias=False, attention_bias=True), "qkv_bias"),
+])
+def test_options_no_transformers_model_has_are_refused_in_one_line(overrides, named, tmp_path):
+    cfg = tiny(**overrides)
+    with pytest.raises(ConfigError, match=f"key '{named}'") as excinfo:
+        export_hf(cfg, trained_looking_model(cfg).state_dict(), None, tmp_path / "export")
+    assert excinfo.value.hint and "\n" not in str(excinfo.value)
+    assert not any(tmp_path.iterdir())

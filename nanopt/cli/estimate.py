@@ -13,6 +13,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.mixture_display import plan_table, plan_warnings
+from nanopt.errors import ConfigError
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU
 
@@ -39,6 +40,12 @@ Examples:
 
   nanopt estimate runs/llama-3.2-1b --gpu rtx-4090 --num-gpus 8   # which layout fits on 1 to 64 GPUs; is mine one?
 
+  nanopt estimate --flops 1e21 --gpu h100 --num-gpus 8    # plan from a compute budget: the optimal model and tokens
+
+  nanopt estimate --flops 3e19 --family gpt2 --chinchilla-ratio 100 --write-model runs/new/model.json
+
+  nanopt estimate runs/smollm-360m --flops 1e20           # a model of this run's family (vocab, GQA, options)
+
 The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
 micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
 
@@ -50,6 +57,10 @@ set when train.json's does not fit at --num-gpus while another would.
 Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
 measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
 cost come from the measured tokens/s, and the table says so. Without --gpu, the estimate is for the preflight's device.
+
+--flops C plans a run from a compute budget: N = sqrt(C / (6 x ratio)) parameters and D = ratio x N tokens (C = 6ND,
+--chinchilla-ratio tokens per parameter), the time and cost of C FLOPs at the assumed MFU, and the most balanced
+model of the family (layers, width, heads) whose exact parameter count is within 2% of N; --write-model saves it.
 """
 
 
@@ -84,7 +95,16 @@ def estimate_command(
     gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Usable GPU memory, e.g. 40GiB (with --gpu "
                                                                      "cpu: the memory training may use)."),
     hours: float | None = typer.Option(None, "--hours", help="Inverse question: tokens that fit in H hours."),
-    chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", help="Chinchilla tokens per parameter."),
+    chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", help="Chinchilla tokens per parameter "
+                                                                             "(with --flops: the D / N of the plan; "
+                                                                             "above 20 over-trains a smaller model)."),
+    flops: float | None = typer.Option(None, "--flops", help="Plan from a compute budget of C training FLOPs "
+                                                             "(e.g. 1e21): the compute-optimal parameters and "
+                                                             "tokens, and a model shape of that size."),
+    family: str | None = typer.Option(None, "--family", help="With --flops and no run directory: llama (default, "
+                                                             "Llama 3.2's vocabulary and grouping) or gpt2."),
+    write_model: Path | None = typer.Option(None, "--write-model", help="With --flops: write the planned model as "
+                                                                        "this new model.json."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
@@ -92,17 +112,27 @@ def estimate_command(
     whether it fits."""
     from nanopt.hardware import parse_size
     from nanopt.plan.estimate import EstimateOptions, estimate
+    from nanopt.plan.estimate.budget import write_model_json
 
     run = load_run_config(run_dir, sets) if run_dir is not None else None
     opts = EstimateOptions(
         gpu=gpu, num_gpus=num_gpus, mfu=mfu, price_per_hour=price_per_hour, peak_tflops=peak_tflops,
         gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
-        tokens_per_param=chinchilla_ratio, params=params, tokens=tokens)
+        tokens_per_param=chinchilla_ratio, params=params, tokens=tokens, flops=flops, family=family)
+    if write_model is not None and flops is None:
+        raise ConfigError("--write-model without --flops: it writes the model --flops plans",
+                          "add --flops C, e.g. --flops 1e21")
     report = estimate(run, opts)
     if run is not None and run.mixture is not None:  # what each source of a mixture gives the run
         from nanopt.data.mixture_plan import plan_records
 
         report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
+    if write_model is not None:
+        write_model_json(write_model, report["model"])
+        report["model_json_written"] = str(write_model)
+    if flops is not None:
+        print_json(report) if as_json else render_budget(report)
+        return
     for note in (report["gpu"]["note"], report["throughput_source"]["note"]):
         if note:  # on stderr, so that --json stdout stays one JSON object
             console(stderr=True).print(escape(f"note: {note}"), soft_wrap=True)
@@ -164,6 +194,35 @@ def render(r: dict[str, Any]) -> None:
         out.print(f"[bold yellow]warning:[/] {escape(r['parallelism']['warning'])}", soft_wrap=True)
     if r["attention"] is not None and r["attention"]["warning"]:
         out.print(f"[bold yellow]warning:[/] {escape(r['attention']['warning'])}", soft_wrap=True)
+
+
+def render_budget(r: dict[str, Any]) -> None:
+    g, m = r["gpu"], r["model"]
+    on = g["name"] if g["key"] == CPU else f"{g['num_gpus']} x {g['name']}"
+    table = Table(title=escape(f"nanopt estimate: a budget of {fmt.sci(r['flops'])} FLOPs on {on}"),
+                  show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    heads = f"{m['num_attention_heads']} heads" + (f" ({m['num_key_value_heads']} KV)" if
+                                                   m["num_key_value_heads"] != m["num_attention_heads"] else "")
+    rows = [
+        ("compute-optimal parameters", f"{fmt.exact(r['optimal_params'])} ({fmt.count(r['optimal_params'])})"),
+        ("compute-optimal tokens", f"{fmt.exact(r['optimal_tokens'])} ({fmt.count(r['optimal_tokens'])}, "
+                                   f"{r['tokens_per_param']:g} per parameter; C = 6ND)"),
+        ("model", f"{m['architecture']}: {m['num_hidden_layers']} layers x {m['hidden_size']} wide, {heads}, "
+                  f"MLP {m['intermediate_size']}, vocab {m['vocab_size']}, {m['max_position_embeddings']} positions"),
+        ("its parameters", f"{fmt.exact(r['model_params'])} ({fmt.ratio(r['model_params_vs_optimal'])} x optimal)"),
+        ("its tokens in the budget", f"{fmt.exact(r['model_tokens'])} ({fmt.count(r['model_tokens'])})"),
+        ("peak" if g["key"] == CPU else "peak per GPU", f"{_tflops(g['peak_tflops'])} ({g['peak_source']}), "
+                                                         f"assumed MFU {fmt.percent(g['mfu'])}"),
+        ("wall-clock time", fmt.duration(r["train_seconds"])),
+        ("cost", _cost(r["cost_usd"], g["usd_per_hour"], "hour" if g["key"] == CPU else "GPU-hour")),
+    ]
+    for label, value in rows:
+        table.add_row(label, escape(value))
+    console().print(table)
+    if r["model_json_written"]:
+        console().print(f"wrote {escape(r['model_json_written'])}", soft_wrap=True)
 
 
 def _mfu_text(r: dict[str, Any]) -> str:

@@ -39,9 +39,16 @@ Examples:
 
   nanopt tokenize HuggingFaceFW/fineweb-edu --config sample-10BT --sample 0.01 --sample-seed 1 --tokenizer gpt2 --max-tokens 100M --out data/fw-1pct
 
+  nanopt tokenize news-sorted-by-date.jsonl --tokenizer gpt2 --shuffle-buffer 100000 --shuffle-seed 1 --out data/news   # a sorted source, shuffled by document
+
 val and test: a document is held out for one of them by a hash of its text (5% of documents each) until the split
 has --val-tokens / --test-tokens (default: the --run's eval_tokens, else 1,048,576), in source order; the rest
 trains. --val-fraction / --test-fraction change the share; given alone, that share of all documents, with no limit.
+
+--shuffle-buffer N reads the source through a buffer of N documents that emits a random one (seeded by
+--shuffle-seed, default 0) for each document read: a source sorted by date or by origin no longer gives sorted
+splits and training order. Memory: N documents. A document moves earlier by at most N places, so N at least the
+number of documents read shuffles them all; a smaller N mixes windows of about N documents.
 """  # noqa: E501  (whole commands stay on one line so they can be copied)
 
 
@@ -97,6 +104,12 @@ def tokenize_command(
                                                                              "files: replace (with U+FFFD, counted "
                                                                              "in meta.json) or refuse (stop at the "
                                                                              "first, naming file and offset)."),
+    shuffle_buffer: int | None = typer.Option(None, "--shuffle-buffer", help="Shuffle the source by document "
+                                                                            "through a buffer of this many "
+                                                                            "documents (memory: N documents); "
+                                                                            "e.g. 100000."),
+    shuffle_seed: int | None = typer.Option(None, "--shuffle-seed", help="Seed of --shuffle-buffer's order "
+                                                                        "(default 0)."),
     force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing dataset at --out."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the summary as one JSON object."),
 ) -> None:
@@ -115,7 +128,8 @@ def tokenize_command(
                     sample=sample, sample_seed=sample_seed,
                     run=None if run_dir is None else str(run_dir),
                     shard_tokens=parse_token_count(shard_tokens, "--shard-tokens"), batch_size=batch_size,
-                    on_decode_error=on_decode_error, force=force)
+                    on_decode_error=on_decode_error, shuffle_buffer=shuffle_buffer, shuffle_seed=shuffle_seed,
+                    force=force)
     with _progress() as reporter:
         summary = build_dataset(out, source, progress=reporter, **settings)
     if run_dir is not None:  # a run on a mixture: what each source must hold, this one now made

@@ -23,6 +23,7 @@ Parallelism = Literal["ddp", "fsdp"]
 OptimizerName = Literal["adamw", "muon"]
 CompileMode = bool | Literal["auto"]
 WandbMode = Literal["online", "offline"]
+InitRule = Literal["normal", "fan_in"]
 
 # Every integer in these files fits in 64 bits: torch and numpy hold them as int64, and past that they fail with a
 # traceback (or wrap around) far from the file that caused it.
@@ -58,6 +59,13 @@ class ModelConfig:
     mlp_bias: bool | None = None  # default: True for gpt2, False for llama
     dropout: float = 0.0
     initializer_range: float = 0.02
+    # Recipe options, off by default (checkpoints from before them load unchanged; keys kept as given, so a
+    # checkpoint that does not name one means its default).
+    qkv_bias: bool | None = None  # biases on the q, k, v projections; default: as attention_bias (which has o_proj)
+    qk_norm: bool = False  # RMSNorm (rms_norm_eps) on each head's queries and keys, before RoPE (Qwen3)
+    init: InitRule = "normal"  # normal: std initializer_range; fan_in: std 1/sqrt(fan_in) for the projections
+    document_masking: bool = False  # attention stops at EOS: a token sees its own document only, positions restart
+    eos_token_id: int | None = None  # the EOS that ends a document, with document_masking (the dataset's)
 
     def __post_init__(self) -> None:
         is_gpt2 = self.architecture == "gpt2"
@@ -73,6 +81,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return bool(self.attention_bias if self.qkv_bias is None else self.qkv_bias)
 
     def validate(self, source: str = "model.json") -> None:
         dimensions = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -105,6 +117,15 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{source}: key '{name}': must be positive, got {getattr(self, name)}",
                                   "see runs/*/model.json for typical values")
+        self._check_document_masking(source)
+
+    def _check_document_masking(self, source: str) -> None:
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ConfigError(f"{source}: key 'eos_token_id': {self.eos_token_id} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", "use the dataset's eos_id (its meta.json)")
+        if self.document_masking and self.eos_token_id is None:
+            raise ConfigError(f"{source}: key 'document_masking': needs 'eos_token_id', the token that ends a "
+                              "document", "add \"eos_token_id\": the dataset's eos_id (its meta.json)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

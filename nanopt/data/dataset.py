@@ -37,7 +37,7 @@ from nanopt.parsing import path_kind
 from nanopt.shown import shell_word
 
 if TYPE_CHECKING:
-    from nanopt.config import RunConfig
+    from nanopt.config import ModelConfig, RunConfig
 
 VERIFY_AT_OPEN_BYTES = 1 << 30  # shards up to this total are hashed whole at open: about 1-2 s
 
@@ -268,3 +268,12 @@ def check_compatible(dataset: TokenDataset, model_vocab_size: int) -> None:
                         f"{model_vocab_size:,}",
                         f"set vocab_size to at least {needed} in model.json (e.g. {padded}, a multiple of 64), or "
                         f"tokenize with a tokenizer of at most {model_vocab_size} tokens (--vocab-size)")
+
+
+def check_document_eos(dataset: TokenDataset, model: ModelConfig) -> None:
+    """With document_masking, the model's eos_token_id must be the dataset's EOS: another id would never end a
+    document (attention would cross every boundary) or would split documents at an ordinary token."""
+    if model.document_masking and model.eos_token_id != dataset.eos_id:
+        raise DataError(f"model.json: key 'eos_token_id': {model.eos_token_id} is not the EOS of the dataset "
+                        f"{dataset.path} ({dataset.eos_id}), so document masking would not find its documents",
+                        f"set \"eos_token_id\": {dataset.eos_id} in model.json")

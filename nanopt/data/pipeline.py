@@ -36,6 +36,7 @@ from nanopt.data.output import check_output, staging_dir, write_meta
 from nanopt.data.sampling import SampledSource
 from nanopt.data.settings import TokenizeSettings, run_eval
 from nanopt.data.shards import SplitWriter, token_dtype
+from nanopt.data.shuffle import ShuffledSource
 from nanopt.data.sources import Source, open_source
 from nanopt.data.stats import SplitStats
 from nanopt.data.summary import summarize
@@ -86,6 +87,8 @@ def build_dataset(out: Path | str, source: str | Source | None = None, *,
     if given.sample is not None and given.sample < 1.0:
         src = SampledSource(src, given.sample, given.sample_seed)
     opts = given.resolved(src, evaluation)
+    if opts.shuffle_buffer is not None:  # the tokenizer's sample, the splits and the shards all see this order
+        src = ShuffledSource(src, opts.shuffle_buffer, opts.shuffle_seed)
     reporter = progress or ProgressReporter()
     fix_mmap_threshold()
     started = time.monotonic()

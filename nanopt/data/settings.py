@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nanopt.config import MAX_MODEL_DIMENSION, TrainConfig, load_run
+from nanopt.data.shuffle import MAX_SHUFFLE_BUFFER
 from nanopt.data.sources import Source
 from nanopt.data.textcheck import DECODE_ERROR_POLICIES
 from nanopt.data.tokenizer import MIN_VOCAB_SIZE, check_vocab_size
@@ -84,6 +85,10 @@ class TokenizeSettings:
     run: str | None = None  # a run directory: sets the default val / test tokens; its eval batch is checked
     batch_size: int = 256  # documents (or pieces of long ones) per encode call
     on_decode_error: str = "replace"  # bytes that are not UTF-8 in local files: "replace" (U+FFFD) or "refuse"
+    # Read the source through a shuffle buffer of this many documents (nanopt.data.shuffle), drawn with shuffle_seed
+    # (default 0): a sorted source gives unsorted splits and training order. None: source order.
+    shuffle_buffer: int | None = None
+    shuffle_seed: int | None = None
     force: bool = False
 
     def validate(self) -> None:
@@ -102,6 +107,7 @@ class TokenizeSettings:
         check_option("--shard-tokens", self.shard_tokens, 1, INT64_MAX, "e.g. 100M tokens per shard file")
         check_option("--max-tokens", self.max_tokens, 1, INT64_MAX, "e.g. 2.5B, or leave it out for the whole corpus")
         check_option("--batch-size", self.batch_size, 1, MAX_BATCH_DOCUMENTS, "e.g. 256 documents per encode call")
+        self._check_shuffle()
         # Given in MiB on the command line; rounded up here, so a library caller's few bytes still count as given.
         check_option("--tokenizer-sample-mb", -(-self.tokenizer_sample_bytes // (1 << 20)), 1, MAX_SAMPLE_MIB,
                      "e.g. 64 (MiB of training documents)")
@@ -121,6 +127,14 @@ class TokenizeSettings:
             raise ConfigError("--eos-token applies to a loaded --tokenizer only",
                               "a trained tokenizer always ends documents with <|endoftext|>")
 
+    def _check_shuffle(self) -> None:
+        check_option("--shuffle-buffer", self.shuffle_buffer, 1, MAX_SHUFFLE_BUFFER,
+                     "documents held at once, e.g. 100000 (memory: that many times the mean document)")
+        check_option("--shuffle-seed", self.shuffle_seed, 0, INT64_MAX, "e.g. 0 or 1337")
+        if self.shuffle_seed is not None and self.shuffle_buffer is None:
+            raise ConfigError("--shuffle-seed without --shuffle-buffer: the seed draws the buffer's order",
+                              "add --shuffle-buffer N (documents), e.g. --shuffle-buffer 100000")
+
     def resolved(self, source: Source, evaluation: RunEval | None = None) -> TokenizeSettings:
         """These settings with the defaults that depend on the source and the run filled in (as meta.json records
         them; a held-out split's tokens None there means no target)."""
@@ -134,7 +148,8 @@ class TokenizeSettings:
         val_fraction, val_tokens = _held_out(self.val_fraction, self.val_tokens, target)
         test_fraction, test_tokens = _held_out(self.test_fraction, self.test_tokens, target)
         _check_leaves_training(val_fraction, test_fraction)
-        return replace(self, vocab_size=vocab, val_fraction=val_fraction, val_tokens=val_tokens,
+        seed = (self.shuffle_seed or 0) if self.shuffle_buffer is not None else None
+        return replace(self, vocab_size=vocab, val_fraction=val_fraction, val_tokens=val_tokens, shuffle_seed=seed,
                        test_fraction=test_fraction, test_tokens=test_tokens,
                        run=None if self.run is None else str(self.run))  # a library caller's Path, as JSON
 

@@ -4,7 +4,8 @@ The directory holds config.json, model.safetensors (fp32) and, given a tokenizer
 tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM.from_pretrained(dir)` and
 `AutoTokenizer.from_pretrained(dir)` load it without nanopt:
 
-- "llama" becomes LlamaForCausalLM: the weights keep their shapes, only the names change.
+- "llama" becomes LlamaForCausalLM: the weights keep their shapes, only the names change; with biases on q/k/v
+  only, Qwen2ForCausalLM; with qk_norm, Qwen3ForCausalLM (nanopt.model.hf_names.hf_family).
 - "gpt2" becomes GPT2LMHeadModel: its Conv1D layers store weights as [in, out], the transpose of nn.Linear, and
   its c_attn fuses the q, k and v projections into one matrix.
 
@@ -35,7 +36,7 @@ from nanopt.config import ModelConfig
 from nanopt.data.output import is_dataset
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.files import copy_file, new_dir, remove_tree, write_file
-from nanopt.model.hf_names import hf_tensors
+from nanopt.model.hf_names import HF_CLASSES, hf_family, hf_tensors
 from nanopt.model.layout import TensorSpec, few, mismatch, tensor_specs
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint import save_tensors
@@ -84,18 +85,11 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor], tokenizer_j
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """Raise ConfigError for a model that the matching transformers class cannot represent exactly."""
-    if cfg.architecture == "gpt2":
-        missing = [key for key in ("attention_bias", "mlp_bias") if not getattr(cfg, key)]
-        if missing:
-            raise ConfigError(
-                f"model.json: key '{missing[0]}': transformers' GPT2LMHeadModel always has biases, so a gpt2 model "
-                f"trained with {' and '.join(f'{k}=false' for k in missing)} cannot be exported exactly",
-                'train with the gpt2 defaults (biases on), or use architecture "llama", whose export supports '
-                "both")
-    elif cfg.architecture != "llama":
+    """Raise ConfigError for a model that no transformers class can represent exactly."""
+    if cfg.architecture not in ("llama", "gpt2"):
         raise ConfigError(f"model.json: key 'architecture': cannot export {cfg.architecture!r}",
                           'export supports "llama" and "gpt2"')
+    hf_family(cfg)
 
 
 def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = None) -> dict[str, Any]:
@@ -111,10 +105,11 @@ def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = Non
         "torch_dtype": "float32",
         "dtype": "float32",
     }
-    if cfg.architecture == "llama":
+    family = hf_family(cfg)
+    if family != "gpt2":
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [HF_CLASSES[family]],
+            "model_type": family,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers,
@@ -126,8 +121,9 @@ def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = Non
             "rms_norm_eps": cfg.rms_norm_eps,
             "rope_theta": cfg.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": cfg.attention_bias,
-            "mlp_bias": cfg.mlp_bias,
+            # Llama and Qwen3: one switch for q/k/v/o; Qwen2 has q/k/v biases built in (and no such key)
+            **({} if family == "qwen2" else {"attention_bias": cfg.attention_bias}),
+            **({"mlp_bias": cfg.mlp_bias} if family == "llama" else {"use_sliding_window": False}),
             # Llama in transformers has attention dropout only; nanopt's residual dropout has no counterpart.
             "attention_dropout": cfg.dropout,
             **common,

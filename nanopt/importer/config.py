@@ -1,4 +1,5 @@
-"""config.json -> model.json: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM: Llama, SmolLM, ...).
+"""config.json -> model.json: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM: Llama, SmolLM, ...;
+Qwen2ForCausalLM: biases on q/k/v only, model.json's qkv_bias; Qwen3ForCausalLM: qk_norm), without sliding windows.
 
 Only a model nanopt computes exactly as transformers does is imported: every config.json key that changes the
 computation is either mapped, checked to be the value nanopt's model assumes, or refused in one line that names
@@ -39,11 +40,13 @@ def model_config_from_hf(config: Any, source: Path) -> ModelConfig:
     kind = config.get("model_type")
     if kind == "gpt2":
         fields, used = _gpt2(config, where)
-    elif kind == "llama":
+    elif kind in ("llama", "qwen2", "qwen3"):
         fields, used = _llama(config, where)
+        if kind != "llama":
+            used |= _qwen(config, where, kind, fields)
     else:
         raise ConfigError(f"{where}: key 'model_type': {show_value(kind)} is not one nanopt imports",
-                          f"{HINT}: model_type \"gpt2\" or \"llama\"")
+                          f"{HINT}: model_type \"gpt2\", \"llama\", \"qwen2\" or \"qwen3\"")
     for key, value in config.items():
         if key not in used and key not in _IGNORED and value not in (None, False, 0, [], {}):
             raise ConfigError(f"{where}: key '{key}': {show_value(value)} is a setting nanopt's {kind} model does "
@@ -112,6 +115,22 @@ def _llama(config: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]
             "head_dim", "vocab_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
             "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias"}
     return fields, used
+
+
+def _qwen(config: dict[str, Any], where: str, kind: str, fields: dict[str, Any]) -> set[str]:
+    """Qwen2's built-in q/k/v biases, or Qwen3's qk-norm, on top of the Llama fields; full attention only (the
+    window keys mean nothing while use_sliding_window is false). Returns the keys read."""
+    _require(config, "use_sliding_window", (False,), where, False)
+    layer_types = config.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(kind != "full_attention" for kind in layer_types)):
+        raise ConfigError(f"{where}: key 'layer_types': {show_value(layer_types, 80)}: nanopt's attention is full "
+                          "attention in every layer", HINT)
+    if kind == "qwen2":  # Qwen2's q/k/v projections always have biases, its o_proj and MLP never
+        fields.update(qkv_bias=True, attention_bias=False, mlp_bias=False)
+    else:
+        fields.update(qk_norm=True, mlp_bias=False)
+    return {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 
 
 def _require(config: dict[str, Any], key: str, allowed: tuple[Any, ...], where: str, default: Any) -> None:

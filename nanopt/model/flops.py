@@ -46,8 +46,9 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 def _attention_params(cfg: ModelConfig) -> int:
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    bias = bool(cfg.attention_bias)
-    return _linear(h, h, bias) + 2 * _linear(h, kv, bias) + _linear(h, h, bias)
+    qkv_bias = cfg.has_qkv_bias
+    qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0  # one RMSNorm weight per head width, for queries and keys
+    return _linear(h, h, qkv_bias) + 2 * _linear(h, kv, qkv_bias) + _linear(h, h, bool(cfg.attention_bias)) + qk_norm
 
 
 def _mlp_params(cfg: ModelConfig) -> int:

@@ -37,7 +37,7 @@ def generate(model: Transformer, prompt_ids: list[int] | Tensor, max_new_tokens:
     """
     _check_settings(max_new_tokens, temperature, top_k)
     context = model.cfg.max_position_embeddings
-    prompt = _token_list(prompt_ids)[-max(1, context - 1):]
+    prompt = _own_document(model, _token_list(prompt_ids))[-max(1, context - 1):]
     budget = min(max_new_tokens, context - len(prompt))
     device = model.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -88,10 +88,25 @@ def _token_list(prompt_ids: list[int] | Tensor) -> list[int]:
 Stepper = Callable[[list[int]], Tensor]
 
 
+def _own_document(model: Transformer, prompt: list[int]) -> list[int]:
+    """With document_masking, the prompt from the start of its last token's document: all that token sees (an EOS
+    ends the document it follows). The KV cache then holds that document alone (and starts afresh after an EOS,
+    _cached_stepper), so cached and uncached generation agree; without the option, the whole prompt."""
+    eos = model.cfg.eos_token_id
+    if not model.cfg.document_masking or eos not in prompt[:-1]:
+        return prompt
+    last_end = len(prompt) - 2 - prompt[-2::-1].index(eos)
+    return prompt[last_end + 1:]
+
+
 def _cached_stepper(model: Transformer, prompt: list[int], budget: int, device: torch.device) -> Stepper:
     cache = model.new_kv_cache(batch_size=1, max_len=len(prompt) + budget, device=device)
+    fed: list[int] = []
 
     def step(new_tokens: list[int]) -> Tensor:
+        if model.cfg.document_masking and fed and fed[-1] == model.cfg.eos_token_id:
+            cache.length = 0  # the token after an EOS begins a document that sees nothing before it
+        fed[:] = new_tokens
         ids = torch.tensor([new_tokens], dtype=torch.long, device=device)
         return model(ids, kv_cache=cache)[0, -1]
 

@@ -54,7 +54,11 @@ FLASH_MAX_HEAD_DIM = 256
 
 
 def attention_kernel(cfg: ModelConfig, precision: str) -> str:
-    """"flash", "efficient" or "math": the SDPA kernel a CUDA training step gets for this shape and precision."""
+    """"flash", "efficient" or "math": the SDPA kernel a CUDA training step gets for this shape and precision.
+    Document masking passes a mask, which flash does not take, and expands grouped K/V heads for the
+    memory-efficient kernel (nanopt.model.transformer.Attention._attend_documents)."""
+    if cfg.document_masking:
+        return "efficient"
     head_ok = cfg.head_dim % 8 == 0 and cfg.head_dim <= FLASH_MAX_HEAD_DIM
     if precision in ("bf16", "fp16") and head_ok:
         return "flash"
@@ -94,10 +98,33 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
     else:
         mlp = act_bytes * (2 * inner)  # fc output, gelu output (c_proj's input)
         elementwise = 0
+    # qk_norm: the per-head RMSNorm's input in fp32, its output in the compute dtype and its fp32 1/rms per head,
+    # for queries and keys
+    heads = cfg.num_attention_heads + cfg.num_key_value_heads
+    qk_norm = (4 + act_bytes) * (h + kv) + 4 * heads if cfg.qk_norm else 0
     if compiled:
         norms //= 2
         elementwise = 0
-    return residual + norms + attention + mlp + elementwise
+        qk_norm = act_bytes * (h + kv) if cfg.qk_norm else 0  # fused: only the projection's output is kept
+    return residual + norms + attention + mlp + elementwise + qk_norm
+
+
+def expanded_kv_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+    """Per token and layer, what document masking adds on CUDA: grouped K/V heads expanded to every query head
+    for the memory-efficient kernel. (The [seq, seq] mask itself is one per sequence: document_mask_bytes.)"""
+    if not cfg.document_masking:
+        return 0
+    return 2 * act_bytes * (cfg.num_attention_heads - cfg.num_key_value_heads) * cfg.head_dim
+
+
+def document_mask_bytes(cfg: ModelConfig, act_bytes: int, seq_len: int) -> int:
+    """Per sequence: the additive [seq, seq] mask in the compute dtype, built once per forward and kept for
+    backward (every layer shares it), and llama's fp32 RoPE cos / sin tables, per row once positions restart
+    with each document; 0 without document masking."""
+    if not cfg.document_masking:
+        return 0
+    rope_tables = 2 * 4 * seq_len * cfg.head_dim if cfg.architecture == "llama" else 0
+    return act_bytes * seq_len * seq_len + rope_tables
 
 
 def math_attention_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, seq_len: int) -> int:
@@ -141,6 +168,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     shard = world_size if parallelism == "fsdp" else 1
     act_bytes = 4 if precision == "fp32" else 2
     per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled)
+    if cuda:
+        per_layer += expanded_kv_bytes(cfg, act_bytes)
     math_attention = cuda and attention_kernel(cfg, precision) == "math"
     if math_attention:
         per_layer += math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len)
@@ -150,7 +179,7 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     else:
         per_token = cfg.num_hidden_layers * per_layer
     per_token += loss_bytes_per_token(cfg, act_bytes, compiled)
-    per_sequence = per_token * seq_len
+    per_sequence = per_token * seq_len + document_mask_bytes(cfg, act_bytes, seq_len)
     if math_attention:  # the scores' gradient and the probabilities' gradient in one layer's backward
         per_sequence += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0

@@ -17,6 +17,8 @@ State-dict keys (`{i}` is the layer index; `.bias` keys exist only where the con
     layers.{i}.attn.k_proj.weight (.bias)     [kv_heads * head_dim, hidden]
     layers.{i}.attn.v_proj.weight (.bias)     [kv_heads * head_dim, hidden]
     layers.{i}.attn.o_proj.weight (.bias)     [hidden, heads * head_dim]
+    layers.{i}.attn.q_norm.weight             [head_dim]                              qk_norm only
+    layers.{i}.attn.k_norm.weight             [head_dim]                              qk_norm only
     layers.{i}.mlp_norm.weight   (.bias)      [hidden]
     layers.{i}.mlp.gate_proj.weight (.bias)   [intermediate, hidden]                  llama only
     layers.{i}.mlp.up_proj.weight   (.bias)   [intermediate, hidden]
@@ -24,9 +26,12 @@ State-dict keys (`{i}` is the layer index; `.bias` keys exist only where the con
     norm.weight                  (.bias)      [hidden]
     lm_head.weight                            [vocab, hidden]   the same Parameter as embed_tokens.weight when tied
 
-Attention biases (q/k/v/o) follow `attention_bias`, MLP biases follow `mlp_bias`. When embeddings are tied,
-`state_dict()` lists both `embed_tokens.weight` and `lm_head.weight` (one shared tensor); `parameters()` yields it
-once.
+Biases: o_proj's follows `attention_bias`, q/k/v's `qkv_bias` (default: as attention_bias), the MLP's `mlp_bias`.
+When embeddings are tied, `state_dict()` lists both `embed_tokens.weight` and `lm_head.weight` (one shared tensor);
+`parameters()` yields it once.
+
+`qk_norm` normalizes each head's queries and keys (RMSNorm) before RoPE. `document_masking` keeps attention inside
+the documents of a packed row (split at `eos_token_id`), positions restarting per document (nanopt.model.documents).
 
 A vocabulary padded for aligned GEMMs (GPT-2's 50,257 tokens in 50,304 rows) has rows that are never a token.
 `Transformer(cfg, tokenizer_vocab_size=N)` keeps the full-width head GEMM but leaves rows N and up out of the
@@ -48,6 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
+from nanopt.model.documents import compute_dtype, document_mask, document_positions
 from nanopt.model.loss import chunked_cross_entropy
 
 
@@ -98,17 +104,19 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
 
-def rope_cos_sin(cfg: ModelConfig, start: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """fp32 cos / sin tables [length, head_dim] for positions start .. start+length-1.
+def rope_at(cfg: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 cos / sin tables [..., T, head_dim] for the positions [..., T]; per-row positions [B, T] (document
+    masking) give [B, 1, T, head_dim], which broadcast over the heads.
 
     Computed per forward rather than kept as a buffer: it is tiny, and a buffer would be lost by meta-device
     construction followed by `to_empty`.
     """
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    positions = torch.arange(start, start + length, device=device, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]  # elementwise, so autocast cannot lower it to bf16
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.float()[..., None] * inv_freq  # elementwise, so autocast cannot lower it to bf16
     angles = torch.cat((angles, angles), dim=-1)
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -155,25 +163,43 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        qkv_bias = cfg.has_qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        # qk_norm: per head, as Qwen3, so the scores stay bounded whatever the projections' scale
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv_cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv_cache: KVCache | None = None,
+                mask: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         offset = 0
         if kv_cache is not None:
             offset = kv_cache.length
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = self._attend(q, k, v, offset)
+        out = self._attend_documents(q, k, v, mask) if mask is not None else self._attend(q, k, v, offset)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def _attend_documents(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Attention within documents (nanopt.model.documents). On CUDA the memory-efficient kernel takes the mask
+        but not enable_gqa, so grouped K/V heads are expanded to every query head there (the memory model counts
+        them); elsewhere SDPA shares them."""
+        dropout_p = self.dropout if self.training else 0.0
+        grouped = self.num_kv_heads != self.num_heads
+        if grouped and q.is_cuda:
+            repeat = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            grouped = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=grouped)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
         """Causal attention of the T_new queries (positions offset..) over all offset + T_new keys.
@@ -234,8 +260,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg) if cfg.architecture == "llama" else GeluMLP(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None) -> Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache))
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None,
+                mask: Tensor | None = None) -> Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache, mask))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -266,15 +293,20 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, initializer_range) weights, zero biases, unit norms; residual output projections are scaled down
-        by 1/sqrt(2 * layers) so the residual stream's variance does not grow with depth."""
+        """N(0, std) weights, zero biases, unit norms. std is initializer_range (init "normal"), or 1/sqrt(fan_in)
+        for the projections (init "fan_in"; the embeddings and the output head keep initializer_range). Either
+        way the residual output projections are scaled down by 1/sqrt(2 * layers) so the residual stream's
+        variance does not grow with depth."""
         self.tie_weights()
-        std = self.cfg.initializer_range
-        residual_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        depth = math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith(("attn.o_proj", "mlp.down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
+                std = self.cfg.initializer_range
+                if self.cfg.init == "fan_in" and isinstance(module, nn.Linear) and name != "lm_head":
+                    std = 1 / math.sqrt(module.in_features)
+                if name.endswith(("attn.o_proj", "mlp.down_proj")):
+                    std /= depth  # divided, not multiplied by 1/depth: the same float as ever (golden runs)
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, (RMSNorm, nn.LayerNorm)):
@@ -310,14 +342,18 @@ class Transformer(nn.Module):
         start = 0 if kv_cache is None else kv_cache.length
         self._check_lengths(batch, seq, start, kv_cache)
         x = self.embed_tokens(input_ids)
+        positions = torch.arange(start, start + seq, device=input_ids.device)
+        mask = None
+        if self.cfg.document_masking and kv_cache is None:  # cached generation continues one document
+            documents, positions = document_positions(input_ids, self.cfg.eos_token_id)
+            mask = document_mask(documents, compute_dtype(x))
         rope = None
         if self.cfg.architecture == "gpt2":
-            positions = torch.arange(start, start + seq, device=input_ids.device)
             x = x + self.embed_positions(positions)
         else:
-            rope = rope_cos_sin(self.cfg, start, seq, input_ids.device)
+            rope = rope_at(self.cfg, positions)
         for layer in self.layers:
-            x = layer(x, rope, kv_cache)
+            x = layer(x, rope, kv_cache, mask)
         if kv_cache is not None:
             kv_cache.advance(seq)
         x = self.norm(x)

@@ -92,7 +92,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     only. A budget beyond one pass over the train split is fine: the loader reshuffles each epoch, and the training
     loop warns that the data repeats.
     """
-    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES
+    from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, check_document_eos
     from nanopt.data.loader import TrainLoader, check_compatible
     from nanopt.data.mixture import MixtureData, MixtureLoader, open_run_data
     from nanopt.model.transformer import Transformer
@@ -108,6 +108,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
     check_compatible(dataset, run.model.vocab_size)
+    check_document_eos(dataset, run.model)
     # Before the model, so a split without one whole sequence (or with a bad token id in the first step) fails
     # before any costly work. The loader draws nothing from the RNGs seeded below.
     loader_type = MixtureLoader if isinstance(dataset, MixtureData) else TrainLoader

@@ -14,6 +14,8 @@ DEFAULT_MFU = 0.40
 MIN_MFU = 0.001  # 0.1% of the peak: below that, no run is worth estimating
 # One device's dense peak: from a slow CPU (1 GFLOP/s) to 100 PFLOP/s, 20 x the fastest GPU's low-precision peak.
 MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 0.001, 100_000
+# A compute budget: 1e30 FLOPs is a million times the largest training run reported so far.
+MAX_BUDGET_FLOPS = 1e30
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class EstimateOptions:
     # Counts as typed (7e9 is a float): whole numbers only once validated, as int() of NaN or infinity would raise.
     params: float | None = None  # estimate from a bare parameter count, without a run directory
     tokens: float | None = None  # with params: the token budget (default: Chinchilla-optimal)
+    flops: float | None = None  # plan from a compute budget: the compute-optimal model and tokens (budget.py)
+    family: str | None = None  # with flops and no run directory: the architecture of the model planned
 
     def validate(self) -> None:
         # Bounds far past any real cluster, device, price or budget: a value beyond one is a typo, and NaN or
@@ -46,6 +50,15 @@ class EstimateOptions:
                      "tokens per parameter: 20 is Chinchilla's; over-trained small models use a few hundred")
         check_option("--params", self.params, 1, 10**15, hint)
         check_option("--tokens", self.tokens, 1, INT64_MAX, hint)
+        check_option("--flops", self.flops, 1e6, MAX_BUDGET_FLOPS, "total training FLOPs, e.g. 1e21")
+        given = [name for name, value in (("--params", self.params), ("--tokens", self.tokens),
+                                          ("--hours", self.hours)) if value is not None]
+        if self.flops is not None and given:
+            raise ConfigError(f"--flops with {given[0]}: a compute budget decides the parameters and tokens itself",
+                              f"leave out {given[0]}, or leave out --flops")
+        if self.family is not None and self.flops is None:
+            raise ConfigError("--family without --flops: it names the architecture of the model --flops plans",
+                              "add --flops C, e.g. --flops 1e21 --family gpt2")
 
     def with_whole_counts(self) -> EstimateOptions:
         """These options validated, with --params and --tokens as the whole numbers the arithmetic counts in."""

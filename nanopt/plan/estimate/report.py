@@ -12,6 +12,7 @@ from nanopt.errors import ConfigError
 from nanopt.hardware import CPU, DEFAULT_GPU, is_cpu, resolve_gpu
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
+from nanopt.plan.estimate.budget import plan_budget
 from nanopt.plan.estimate.fit import fit
 from nanopt.plan.estimate.layouts import parallelism
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
@@ -24,8 +25,11 @@ from nanopt.shown import shell_word
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     """The whole report as a JSON-ready dict (the keys are documented in README.md)."""
     opts = opts.with_whole_counts()
-    if run is None and opts.params is None:
-        raise ConfigError("estimate needs a run directory or --params", "e.g. `nanopt estimate runs/gpt2-small`")
+    if run is None and opts.params is None and opts.flops is None:
+        raise ConfigError("estimate needs a run directory or --params (or --flops)",
+                          "e.g. `nanopt estimate runs/gpt2-small`, or `nanopt estimate --flops 1e21`")
+    if opts.flops is not None:  # plan a model from a compute budget; a run directory gives only its family
+        return plan_budget(run.model if run else None, _budget_options(run, opts))
     opts, measured, source = _throughput_source(run, opts)
     precision = run_precision(run, is_cpu(opts.gpu))
     target = target_for(opts, precision)
@@ -40,6 +44,13 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     report["parallelism"] = parallelism(run, target, precision, opts.num_gpus)
     report["attention"] = _attention(run, target, precision)
     return report
+
+
+def _budget_options(run: RunConfig | None, opts: EstimateOptions) -> EstimateOptions:
+    """--flops plans another model than the run's: its preflight measured nothing about it, so the MFU is assumed."""
+    price = opts.price_per_hour if opts.price_per_hour is not None else (run.train.price_per_hour if run else None)
+    return replace(opts, gpu=opts.gpu or DEFAULT_GPU, num_gpus=opts.num_gpus or 1, mfu=opts.mfu or DEFAULT_MFU,
+                   price_per_hour=price)
 
 
 def _attention(run: RunConfig | None, target: Target, precision: str) -> dict[str, Any] | None:
