@@ -20,7 +20,7 @@ from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import phases
+from nanopt.train import health_watch, phases
 from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
@@ -97,6 +97,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
     start_watching(session)  # after the resume, which restores the losses from before its checkpoint
+    health_watch.start_health(session)
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
         session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
     _announce(session)
@@ -244,6 +245,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     if spike is not None:
         s.metrics.write("event", step=st.step, event="loss_spike", loss=loss, zscore=spike)
         s.observer.note(f"step {st.step}: loss spike {loss:.4f} ({spike:.1f} standard deviations above the mean)")
+    health_watch.after_step(s, loss, norm)
     if st.step % s.run.train.log_interval and st.step != s.total_steps:
         s.observer.advance(st.step)
         return window
@@ -257,6 +259,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak()}
     record.update(_time_and_money(s, record["step_time_s"]))
+    health_watch.on_log(s, record)  # its fields, and any verdict they newly show
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)
     return _Window(now, st.tokens)
@@ -357,7 +360,7 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     summary = {
         "run": str(s.run.run_dir), "steps": st.step, "total_steps": s.total_steps, "tokens": st.tokens,
-        "epochs": s.loader.epochs_at(st.step),
+        "epochs": s.loader.epochs_at(st.step), "health": health_watch.summary(s),
         "tokens_this_session": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
         "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
         "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,

@@ -62,6 +62,9 @@ class Session:
     pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
     checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
+    health: Any = None  # nanopt.train.health.HealthMonitor, set by the training loop when train.json `health` is on
+    health_probe: Any = None  # nanopt.train.health_probe.HealthProbe, likewise
+    health_signals: dict[str, Any] = field(default_factory=dict)  # the probe's last log step's fields
 
     @property
     def state(self) -> Counters:
