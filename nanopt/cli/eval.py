@@ -50,6 +50,8 @@ Examples:
 
   nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
 
+  nanopt eval runs/demo --health      # verdicts and signals from metrics.jsonl, running or finished; health.png
+
 --tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
 acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
 from DIR/TASK.jsonl in the hub dataset's schema. Results go to eval.json's "tasks"; with --no-loss, no eval.json.
@@ -96,10 +98,19 @@ def eval_command(
                                      "task (default: all)."),
     task_data: Path | None = typer.Option(None, "--task-data", help="With --tasks: read TASK.jsonl (or a "
                                           "save_to_disk folder TASK/) from this directory instead of the hub."),
+    health: bool = typer.Option(False, "--health/--no-health", help="Only the run's health, from its metrics.jsonl "
+                                "(running or finished; no checkpoint, no GPU): verdicts, latest signals, and "
+                                "RUN/health.png charting them."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
+
+    if health:
+        from nanopt.cli.health import show_health
+
+        show_health(run_dirs, as_json)
+        return
 
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     task_options(tasks, limit, task_data)  # a misspelt task fails now too
