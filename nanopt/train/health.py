@@ -7,7 +7,7 @@ signals are and how they are measured on the device: nanopt.train.health_probe.
 
 Verdicts, each announced once per run (a resumed run reads the `health` events it already wrote):
 - initial_loss: the first step's loss is far from ln(vocab_size), where a model initialised as configured starts.
-- plateau: the mean loss of the last window (a tenth of the run, 10 to 1000 steps, and 10 log intervals at the
+- plateau: the mean loss of the last window (a quarter of the run, 10 to 1000 steps, and 10 log intervals at the
   least) is not below the window before's by more than its noise (one standard error), for half a window.
 - stagnating_updates: the update-to-parameter norm ratio of the weight matrices is far below the usual ~1e-3
   (under 1e-5), or has collapsed to a hundredth of its peak per unit of learning rate.
@@ -26,7 +26,7 @@ from typing import Any
 VERDICTS = ("initial_loss", "plateau", "stagnating_updates", "exploding_gradients")
 
 INITIAL_LOSS_TOLERANCE = 0.2  # far off: more than this fraction of ln(vocab) (and at least a nat) away from it
-MIN_WINDOW_STEPS, MAX_WINDOW_STEPS, WINDOW_FRACTION = 10, 1000, 0.1
+MIN_WINDOW_STEPS, MAX_WINDOW_STEPS, WINDOW_FRACTION = 10, 1000, 0.25
 MIN_TREND_POINTS = 5  # logged losses a trend is fitted to, at the least
 PLATEAU_MIN_FALL = 0.001  # a fall of the fitted loss over the window smaller than this fraction of it is no progress
 STAGNANT_RATIO = 1e-5  # update / parameter norm per step; ~1e-3 is usual for AdamW and Muon alike
