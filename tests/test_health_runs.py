@@ -46,7 +46,7 @@ def test_a_healthy_run_records_the_signals_and_reaches_no_verdict(tmp_path: Path
         assert 1e-4 < r["update_ratio"]["decay"] < 1.0
         assert r["clipped_fraction"] in (0.0, 1.0)  # one step per log line
     assert logged[-1]["loss_trend"] < 0
-    assert "health of this session" in result.stdout and "none" in result.stdout
+    assert "health of this run" in result.stdout and "none" in result.stdout
 
 
 def test_a_learning_rate_far_too_small_is_a_plateau_and_stagnating_updates_each_said_once(

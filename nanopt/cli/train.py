@@ -244,7 +244,7 @@ def _print_hook_result(result: Any, what: str = "on-exit") -> None:
 
 def _summary_table(s: dict[str, Any]) -> Group:
     """The run's outcome, then where its time and money went."""
-    health = [health_table(s["health"], "health of this session")] if s.get("health") else []
+    health = [health_table(s["health"], "health of this run")] if s.get("health") else []
     return Group(_outcome_table(s), *health,
                  fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
 

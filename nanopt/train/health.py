@@ -132,6 +132,13 @@ class HealthMonitor:
             return self._new([initial_loss_verdict(loss, self.settings.vocab_size, step)])
         return []
 
+    def recall(self, records: list[dict[str, Any]]) -> None:
+        """Take the verdicts a run already recorded (its `health` events) as reached: never announced again."""
+        for r in records:
+            if r.get("kind") == "event" and r.get("event") == "health" and r.get("verdict") in VERDICTS:
+                self._new([Verdict(r["verdict"], int(r.get("step") or 0), str(r.get("message")),
+                                   str(r.get("advice")))])
+
     def clipped_fraction(self) -> float | None:
         """The share of steps clipped since the last logged record (None when clipping is off); starts a new count."""
         seen, clipped = self.steps_seen, self.steps_clipped
@@ -272,13 +279,10 @@ def _number(value: Any) -> bool:
 
 def replay(records: list[dict[str, Any]], settings: HealthSettings) -> HealthMonitor:
     """The monitor after a run's metrics.jsonl records (a finished or a running run): the verdicts it recorded
-    (`health` events: the first step's is only seen live) and those its train records reach."""
+    (the first step's is only seen live, unless step 1 was logged) and those its train records reach."""
     monitor = HealthMonitor(settings)
+    monitor.recall(records)
     for record in records:
-        if record.get("kind") == "event" and record.get("event") == "health" and record.get("verdict") in VERDICTS:
-            fields = {k: record.get(k) for k in ("message", "advice")}
-            monitor._new([Verdict(record["verdict"], int(record.get("step") or 0), str(fields["message"]),
-                                  str(fields["advice"]))])
-        elif record.get("kind") == "train" and _number(record.get("step")):
+        if record.get("kind") == "train" and _number(record.get("step")):
             monitor.observe(dict(record))
     return monitor

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanopt.train.health import VERDICTS, HealthMonitor, HealthSettings, Verdict
+from nanopt.train.health import HealthMonitor, HealthSettings, Verdict
 from nanopt.train.health_probe import HealthProbe
 from nanopt.train.metrics import read_metrics
 from nanopt.train.session import Session
@@ -22,11 +22,9 @@ def start_health(s: Session) -> None:
     if not s.run.train.health:
         return
     s.health_probe = HealthProbe(s.prepared.raw, s.optimizer, s.rt)
-    announced = set()
+    s.health = HealthMonitor(HealthSettings.from_run(s.run))
     if s.rt.is_main:
-        announced = {r.get("verdict") for r in read_metrics(s.run.run_dir)
-                     if r.get("kind") == "event" and r.get("event") == "health"} & set(VERDICTS)
-    s.health = HealthMonitor(HealthSettings.from_run(s.run), announced=announced)
+        s.health.recall(read_metrics(s.run.run_dir))
 
 
 def after_step(s: Session, loss: float, grad_norm: float) -> None:
