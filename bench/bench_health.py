@@ -109,8 +109,8 @@ def main() -> None:
           f"{run.seq_len}")
     print(f"step time, health off: {off_s * 1e3:.2f} ms; health on: {on_s * 1e3:.2f} ms; on / off = {on_s / off_s:.4f}")
     print(f"monitor (Python, per block): {statistics.median(health_work) * 1e3:.3f} ms = "
-          f"{statistics.median(health_work) / (off_s * interval):.3%} of the block's steps")
-    print(f"probe on its log step (norms, parameter copy, update norms, read): {probe_share:.3%} of the block's steps")
+          f"{statistics.median(health_work) / (off_s * interval):.4%} of the block's steps")
+    print(f"probe on its log step (norms, parameter copy, update norms, read): {probe_share:.4%} of the block's steps")
 
 
 def _probe_share(session: object, probe: HealthProbe, device: torch.device, block_s: float, repeats: int = 10) -> float:
