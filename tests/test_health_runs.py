@@ -112,6 +112,10 @@ def test_eval_health_replays_the_metrics_and_draws_the_chart(tmp_path: Path, tin
     assert Path(report["chart"]) == run / "health.png" and (run / "health.png").read_bytes()[:4] == b"\x89PNG"
     table = cli_in_process("eval", run, "--health")
     assert "stagnating_updates" in table.stdout and "update / parameter" in table.stdout
+    evaluated = cli_in_process("eval", run, "--no-samples", "--json")  # eval.json carries the same section
+    assert evaluated.returncode == 0, evaluated.stderr
+    saved = json.loads((run / "eval.json").read_text())["health"]
+    assert sorted(v["name"] for v in saved["verdicts"]) == ["plateau", "stagnating_updates"]
 
 
 def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
