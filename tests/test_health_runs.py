@@ -75,8 +75,11 @@ def test_a_learning_rate_far_too_large_is_exploding_gradients(tmp_path: Path, ti
 
 
 def test_a_mis_scaled_initialisation_is_said_at_step_1(tmp_path: Path, tiny_dataset: Path, cli_in_process):
-    run = make_run(tmp_path, tiny_dataset, model={"initializer_range": 2.0}, **{**SHORT, "max_steps": 3})
+    # Step 1 is not a log step (log_interval 10): the check sees every step's loss, not only the logged ones.
+    run = make_run(tmp_path, tiny_dataset, model={"initializer_range": 2.0}, log_interval=10,
+                   **{**SHORT, "max_steps": 3})
     result = train(cli_in_process, run)
+    assert [r["step"] for r in records(run, "train")] == [3]
     assert verdicts(run) == [("initial_loss", 1)]
     assert "far above ln(vocab_size) = 6.238" in result.stderr
     assert "initializer_range" in result.stderr
