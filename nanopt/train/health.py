@@ -116,12 +116,17 @@ class HealthMonitor:
     settings: HealthSettings
     announced: set[str] = field(default_factory=set)
     verdicts: list[Verdict] = field(default_factory=list)
-    records: deque = field(default_factory=lambda: deque(maxlen=4096))  # (step, loss, grad_norm, clipped, ratios, lr)
+    records: deque = field(default_factory=deque)  # (step, loss, grad_norm, clipped, ratios, lr), two windows' worth
     steps_seen: int = 0  # steps since the last logged record
     steps_clipped: int = 0
     peak_ratio_per_lr: dict[str, float] = field(default_factory=dict)
     low_ratio_records: dict[str, int] = field(default_factory=dict)
     flat_since: int | None = None  # the first step of the current run of judgements that the loss is flat
+    _windows: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Two windows of logged records are all any judgement reads: the scans per log line stay that short.
+        self.records = deque(self.records, maxlen=2 * self.settings.window_steps // self.settings.log_interval + 2)
 
     def observe_step(self, step: int, loss: float, grad_norm: float) -> list[Verdict]:
         """Every step: count clipping, and judge the first step's loss."""
@@ -156,6 +161,7 @@ class HealthMonitor:
         clipped = record.get("clipped_fraction")
         if clipped is None and self.settings.grad_clip > 0 and _number(record.get("grad_norm")):
             clipped = float(record["grad_norm"] > self.settings.grad_clip)  # an older run: its logged steps only
+        self._windows = {}
         self.records.append((step, record.get("loss"), record.get("grad_norm"), clipped,
                              record.get("update_ratio") or {}, record.get("lr")))
         trend = loss_trend(self._window_losses(step))
@@ -182,9 +188,12 @@ class HealthMonitor:
     # ------------------------------------------------------------------------------------------------ judgements
 
     def _window(self, step: int, offset: int = 0) -> list[tuple]:
-        """The records of the window ending `offset` windows before `step`."""
-        end = step - offset * self.settings.window_steps
-        return [r for r in self.records if end - self.settings.window_steps < r[0] <= end]
+        """The records of the window ending `offset` windows before `step` (kept for the judgements of one record:
+        each reads the same two windows)."""
+        if (step, offset) not in self._windows:
+            end = step - offset * self.settings.window_steps
+            self._windows[step, offset] = [r for r in self.records if end - self.settings.window_steps < r[0] <= end]
+        return self._windows[step, offset]
 
     def _window_losses(self, step: int) -> list[tuple[int, float]]:
         return [(r[0], r[1]) for r in self._window(step) if _number(r[1])]
@@ -215,7 +224,7 @@ class HealthMonitor:
         mean_now, mean_before = statistics.fmean(now), statistics.fmean(before)
         if mean_before <= 0:
             return None
-        error = math.sqrt(statistics.variance(now) / len(now) + statistics.variance(before) / len(before))
+        error = math.sqrt(_variance(now) / len(now) + _variance(before) / len(before))
         return (mean_before - mean_now) / mean_before, error / mean_before, mean_now, mean_before
 
     def _track_ratios(self, step: int, judge: bool) -> Verdict | None:
@@ -271,6 +280,12 @@ class HealthMonitor:
 
 _EXPLODING_ADVICE = ("lower learning_rate (by 2-10x), lengthen warmup_steps, and check precision (fp16 overflows: "
                      "bf16) and grad_clip (1.0 is usual)")
+
+
+def _variance(values: list[float]) -> float:
+    """The sample variance (statistics.variance computes exactly with fractions: far slower, per log line)."""
+    mean = sum(values) / len(values)
+    return sum((x - mean) ** 2 for x in values) / (len(values) - 1)
 
 
 def _number(value: Any) -> bool:
