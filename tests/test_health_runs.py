@@ -124,6 +124,7 @@ def test_eval_health_replays_the_metrics_and_draws_the_chart(tmp_path: Path, tin
 def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
     run = make_run(tmp_path, tiny_dataset)
     assert_user_error(run_cli("eval", run, "--health"), "no metrics.jsonl")
+    assert_user_error(run_cli("eval", tmp_path / "missing", "--health"), "no such run directory")
 
 
 def test_muon_reports_its_matrices_ratio(tmp_path: Path, tiny_dataset: Path, cli_in_process):

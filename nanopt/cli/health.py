@@ -54,6 +54,8 @@ def show_health(run_dirs: list[Path], as_json: bool) -> None:
 
     reports = []
     for run_dir in run_dirs:
+        if not Path(run_dir).is_dir():
+            raise ConfigError(f"{run_dir}: no such run directory", "give a run directory, e.g. runs/demo")
         if not RunDir(run_dir).metrics.is_file():
             raise ConfigError(f"{run_dir}: no metrics.jsonl: the run has not logged a step yet",
                               "start it with `nanopt train RUN`, or name a run directory that has trained")
