@@ -10,6 +10,7 @@
       preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight_record)
       tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
       on_exit.log                     the output of the train.json / --on-exit command, run after each session
+      on_event.log  health.png        the output of the --on-event command; `nanopt eval --health`'s chart
       export/                         the default `nanopt export` destination
       previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
                                       metrics.jsonl, loss.png, eval.json and tensorboard/, never deleted by nanopt
@@ -37,6 +38,8 @@ PREFLIGHT_FILE = "preflight.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # W&B names its own folder: this is where it lands when given the run directory
 EXIT_HOOK_LOG = "on_exit.log"
+EVENT_HOOK_LOG = "on_event.log"
+HEALTH_CHART_FILE = "health.png"
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"
@@ -118,6 +121,14 @@ class RunDir:
         return self.root / EXIT_HOOK_LOG
 
     @property
+    def event_hook_log(self) -> Path:
+        return self.root / EVENT_HOOK_LOG
+
+    @property
+    def health_chart(self) -> Path:
+        return self.root / HEALTH_CHART_FILE
+
+    @property
     def profile_dir(self) -> Path:
         return self.root / PROFILE_DIR
 
@@ -138,8 +149,8 @@ class RunDir:
         whole: where a link, or anything but a regular file, is refused before the first write
         (nanopt.files.check_run_dir)."""
         replaced = [self.metrics, self.chart, self.eval_json, self.find_batch_json, self.preflight_json,
-                    *(self.checkpoints / name for name in POINTERS)]
-        return [self.lock, self.exit_hook_log, *replaced, *(temporary(path) for path in replaced)]
+                    self.health_chart, *(self.checkpoints / name for name in POINTERS)]
+        return [self.lock, self.exit_hook_log, self.event_hook_log, *replaced, *(temporary(path) for path in replaced)]
 
     def written_dirs(self) -> list[Path]:
         """Every directory nanopt makes, writes into or deletes from in the run (checkpoints/ also holds the

@@ -51,6 +51,7 @@ Examples:
   nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
 
   nanopt eval runs/gpt2-small --tasks hellaswag --harness hellaswag --limit 500   # beside lm-evaluation-harness's
+  nanopt eval runs/demo --health      # verdicts and signals from metrics.jsonl, running or finished; health.png
 
 --tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
 acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
@@ -105,10 +106,19 @@ def eval_command(
                                        "with lm-evaluation-harness itself, on the checkpoint exported to a "
                                        "temporary directory; printed beside nanopt's. Needs pip install "
                                        "\"nanopt[harness]\"."),
+    health: bool = typer.Option(False, "--health/--no-health", help="Only the run's health, from its metrics.jsonl "
+                                "(running or finished; no checkpoint, no GPU): verdicts, latest signals, and "
+                                "RUN/health.png charting them."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
     from nanopt.evaluate import compare
+
+    if health:
+        from nanopt.cli.health import show_health
+
+        show_health(run_dirs, as_json)
+        return
 
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     task_options(tasks, limit, task_data, harness)  # a misspelt task fails now too

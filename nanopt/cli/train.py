@@ -13,6 +13,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
+from nanopt.cli.health import health_table
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.mixture_display import source_tables
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
@@ -53,11 +54,20 @@ Examples:
 
   nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends
 
+  nanopt train runs/gpt2-small --on-event 'curl -d "$NANOPT_EVENT: $NANOPT_EVENT_MESSAGE" https://ntfy.sh/mytopic'
+
 --on-exit (train.json on_exit): rank 0 runs the command once through the shell when the run ends: completed,
 preempted (SIGTERM / SIGINT, saved), diverged, error, interrupted (a second Ctrl-C) or crashed, in
 NANOPT_EXIT_REASON, with NANOPT_EXIT_STATUS, NANOPT_RUN_DIR, NANOPT_STEP and NANOPT_TOTAL_STEPS (when known) and
 NANOPT_EXIT_MESSAGE (the error's line). Its output goes to RUN/on_exit.log; it is stopped, with everything it
 started, after on_exit_timeout_s (300 s). It never changes the run's exit status or files.
+
+Health (train.json health, on by default): at each log step the run records per-block gradient norms, the
+update-to-parameter norm ratio per optimizer group, the share of steps clipped and the loss's trend, and says once
+each verdict: initial_loss (the first loss far from ln(vocab_size)), plateau, stagnating_updates,
+exploding_gradients, with the settings that usually fix it. --on-event runs a command on each, in the background,
+with NANOPT_EVENT, NANOPT_EVENT_STEP, NANOPT_EVENT_MESSAGE and NANOPT_RUN_DIR, its output in RUN/on_event.log,
+stopped after on_exit_timeout_s. `nanopt eval RUN --health` shows them for any run, running or finished.
 
 --nnodes N: run the same command on every node, each with its own --node-rank and the same --rdzv-endpoint (the
 first node's HOST:PORT). The run directory and its dataset must be on a filesystem every node sees (rank 0 writes
@@ -98,6 +108,9 @@ def train_command(
     on_exit: str | None = typer.Option(None, "--on-exit", help="Shell command rank 0 runs once when the run ends "
                                        "for any reason, with NANOPT_EXIT_REASON set (train.json on_exit); e.g. "
                                        "\"sudo shutdown -h now\"."),
+    on_event: str | None = typer.Option(None, "--on-event", help="Shell command rank 0 runs, in the background, "
+                                        "on each health verdict, with NANOPT_EVENT set to its name; e.g. "
+                                        "'curl -d \"$NANOPT_EVENT\" https://ntfy.sh/mytopic'."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
     check_launcher_options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
@@ -123,7 +136,8 @@ def train_command(
     with hook:
         downstream = InLoopTasks.from_run(run.train, run.run_dir)
         summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, started=started,
-                                          downstream=downstream), Display(live=not no_live))
+                                          downstream=downstream),
+                        Display(live=not no_live, on_health=_event_hook(run, on_event)))
         if ranks().is_main:
             if as_json:
                 print_json(summary)
@@ -188,6 +202,21 @@ class _ExitHook:
         _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
 
 
+def _event_hook(run: Any, command: str | None) -> Any:
+    """The --on-event runner the display calls on a verdict (rank 0): the command in a thread of its own, so the
+    training steps go on while it runs, then one line saying what became of it. None without --on-event."""
+    if not command:
+        return None
+    import threading
+
+    from nanopt.train.exit_hook import run_event_hook
+
+    def run_it(event: dict[str, Any]) -> None:
+        _print_hook_result(run_event_hook(command, event, run.run_dir, run.train.on_exit_timeout_s), "on-event")
+
+    return lambda event: threading.Thread(target=run_it, args=(event,), name="nanopt-on-event").start()
+
+
 def _says_what_runs() -> bool:
     """Rank 0 of a plain torchrun, or the process that starts nanopt's own torchrun (its ranks say nothing of it):
     one announcement per run, before any rank runs a step."""
@@ -210,14 +239,15 @@ def _restart_follows(error: BaseException | None) -> bool:
     return isinstance(error, DistributedError) or not isinstance(error, (NanoptError, KeyboardInterrupt))
 
 
-def _print_hook_result(result: Any) -> None:
+def _print_hook_result(result: Any, what: str = "on-exit") -> None:
     prefix = "" if result.ok else "[yellow]warning:[/] "
-    console(stderr=True).print(f"{prefix}on-exit: {escape(result.describe())}", soft_wrap=True)
+    console(stderr=True).print(f"{prefix}{what}: {escape(result.describe())}", soft_wrap=True)
 
 
 def _summary_table(s: dict[str, Any]) -> Group:
     """The run's outcome, then where its time and money went."""
-    return Group(_outcome_table(s), *source_tables(s),
+    health = [health_table(s["health"], "health of this run")] if s.get("health") else []
+    return Group(_outcome_table(s), *source_tables(s), *health,
                  fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
 
 

@@ -5,6 +5,7 @@ It implements nanopt.train.events.TrainObserver; the library calls it on rank 0 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -16,8 +17,9 @@ from nanopt.shown import printable
 
 
 class Display:
-    def __init__(self, live: bool = True) -> None:
+    def __init__(self, live: bool = True, on_health: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.console = SafeConsole(stderr=True)
+        self.on_health = on_health  # the --on-event command's runner
         self.live = live and self.console.is_terminal
         self.progress: Progress | None = None
         self.task = None
@@ -62,6 +64,13 @@ class Display:
                            f"split of {fmt.count(r['split_tokens'])} tokens ({r['split_sequences']:,} sequences of "
                            f"{r['seq_len']:,}): {r['epochs']:.2f} epochs, each in a fresh order",
                            style="yellow", markup=False, soft_wrap=True, highlight=False)
+
+    def health(self, verdict: dict[str, Any]) -> None:
+        """A health verdict, once per run: on its own line above the live bar, then the --on-event command."""
+        self.console.print(f"warning: step {verdict['step']}: health: {verdict['verdict']}: {verdict['message']}; "
+                           f"{verdict['advice']}", style="yellow", markup=False, soft_wrap=True, highlight=False)
+        if self.on_health is not None:
+            self.on_health(verdict)
 
     def evaluated(self, step: int, loss: float, seconds: float, share: float) -> None:
         self.last_eval = f"{loss:.4f}"

@@ -172,6 +172,7 @@ class TrainConfig:
     # step waits for every save, and the host copy is freed after each.
     checkpoint_async: bool = True
     log_interval: int = 10
+    health: bool = True  # health signals at log steps and their verdicts (nanopt.train.health)
     seed: int = 1337
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)

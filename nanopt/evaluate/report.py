@@ -30,6 +30,7 @@ from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION
 from nanopt.data.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
+from nanopt.evaluate.health import run_health
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.tasks.downstream import TaskOptions
 from nanopt.evaluate.tasks.harness import HarnessOptions
@@ -162,6 +163,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token, **sources,
         **training_record(trained),
         "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks, "settings": settings,
+        "health": run_health(trained.run) if trained.run.train.health else None,
         "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
         "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -26,6 +26,10 @@ class TrainObserver(Protocol):
         """An in-loop evaluation: its loss, how long it took, and evaluation's share of the session's time so far
         (in steps and evaluation)."""
 
+    def health(self, verdict: dict[str, Any]) -> None:
+        """A health verdict (nanopt.train.health), once per run: the `health` event of metrics.jsonl (step, verdict,
+        message, advice)."""
+
     def stop(self) -> None: ...
 
 
@@ -48,6 +52,9 @@ class Silent:
         pass
 
     def evaluated(self, step: int, loss: float, seconds: float, share: float) -> None:
+        pass
+
+    def health(self, verdict: dict[str, Any]) -> None:
         pass
 
     def stop(self) -> None:

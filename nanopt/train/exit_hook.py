@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from nanopt.errors import NanoptError, WritePathError
 from nanopt.files import open_file
@@ -156,15 +156,36 @@ def run_exit_hook(command: str, reason: str, run_dir: Path, timeout_s: float, de
     """Run `command` through the shell once, bounded by `timeout_s`, its output appended to the run's on_exit.log
     between a header (time, reason, command) and a footer (what became of it). Never raises: every outcome is in
     the HookResult."""
-    log_path = RunDir(run_dir).exit_hook_log
-    log, log_error = _open_log(log_path, f"{_utc_now()} nanopt train ended: {reason} (exit status "
-                                         f"{details.exit_status}); on_exit: {command}\n")
+    header = (f"{_utc_now()} nanopt train ended: {reason} (exit status {details.exit_status}); on_exit: "
+              f"{command}\n")
+    return _run_logged(command, reason, hook_environment(reason, run_dir, details), RunDir(run_dir).exit_hook_log,
+                       header, timeout_s, "on_exit")
+
+
+def run_event_hook(command: str, event: dict[str, Any], run_dir: Path, timeout_s: float) -> HookResult:
+    """The --on-event command, once per health verdict (nanopt.train.health), run as the on-exit command is (the
+    shell, a session of its own, bounded by `timeout_s`, its output capped) into the run's on_event.log, with
+    NANOPT_EVENT (the verdict's name), NANOPT_EVENT_STEP, NANOPT_EVENT_MESSAGE (what was seen; what usually fixes
+    it) and NANOPT_RUN_DIR. Never raises."""
+    env = hook_environment("", run_dir, ExitDetails(exit_status=0))
+    for name in ("NANOPT_EXIT_REASON", "NANOPT_EXIT_STATUS"):  # the run has not ended
+        env.pop(name, None)
+    env.update({"NANOPT_EVENT": str(event["verdict"]), "NANOPT_EVENT_STEP": str(event["step"]),
+                "NANOPT_EVENT_MESSAGE": f"{event['message']}; {event['advice']}"})
+    header = f"{_utc_now()} nanopt train event: {event['verdict']} at step {event['step']}; on_event: {command}\n"
+    return _run_logged(command, str(event["verdict"]), env, RunDir(run_dir).event_hook_log, header, timeout_s,
+                       "on_event")
+
+
+def _run_logged(command: str, reason: str, env: dict[str, str], log_path: Path, header: str, timeout_s: float,
+                name: str) -> HookResult:
+    log, log_error = _open_log(log_path, header)
     started = time.monotonic()
     with log if log is not None else open(os.devnull, "wb") as output, _terminate_deferred():
-        outcome = _run_command(command, hook_environment(reason, run_dir, details), output, timeout_s)
+        outcome = _run_command(command, env, output, timeout_s)
         result = HookResult(command, reason, time.monotonic() - started, timeout_s, **outcome,
                             log=log_path if log is not None else None, log_error=log_error)
-        if log is not None and (footer_error := _write(log, f"{_utc_now()} on_exit {result.outcome()}\n")):
+        if log is not None and (footer_error := _write(log, f"{_utc_now()} {name} {result.outcome()}\n")):
             result = replace(result, log_error=footer_error)
     return result
 

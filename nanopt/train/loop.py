@@ -8,7 +8,6 @@ collectives.
 from __future__ import annotations
 
 import gc
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +19,14 @@ from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import phases
+from nanopt.train import health_watch, phases
 from nanopt.train.downstream import downstream_advice, run_downstream, score_downstream, typical_eval_seconds
 from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import read_metrics, write_loss_chart
 from nanopt.train.mixture_report import announce_sources, evaluate_sources, source_record, source_summary
+from nanopt.train.preemption import preemption_handler
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -49,7 +49,7 @@ def train(run: RunConfig, opts: TrainOptions | None = None,
     try:
         _lock_on_rank0(rt, lock)
         session = reporting_failures(run, rt, lambda: setup(run, rt, opts, observer))
-        with _preemption_handler(session):
+        with preemption_handler(session):
             summary = reporting_failures(run, rt, lambda: loop(session), session)
             quiesce(rt)
             if rt.distributed:
@@ -99,6 +99,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
         ckpt.remove_stale_temporaries(run.run_dir)
     maybe_resume(session)
     start_watching(session)  # after the resume, which restores the losses from before its checkpoint
+    health_watch.start_health(session)
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
         session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
     _announce(session)
@@ -247,6 +248,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     if spike is not None:
         s.metrics.write("event", step=st.step, event="loss_spike", loss=loss, zscore=spike)
         s.observer.note(f"step {st.step}: loss spike {loss:.4f} ({spike:.1f} standard deviations above the mean)")
+    health_watch.after_step(s, loss, norm)
     if st.step % s.run.train.log_interval and st.step != s.total_steps:
         s.observer.advance(st.step)
         return window
@@ -260,6 +262,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak(), **source_record(s, st.step)}
     record.update(_time_and_money(s, record["step_time_s"]))
+    health_watch.on_log(s, record)  # its fields, and any verdict they newly show
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)
     return _Window(now, st.tokens)
@@ -358,7 +361,7 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     summary = {
         "run": str(s.run.run_dir), "steps": st.step, "total_steps": s.total_steps, "tokens": st.tokens,
-        "epochs": s.loader.epochs_at(st.step),
+        "epochs": s.loader.epochs_at(st.step), "health": health_watch.summary(s),
         "tokens_this_session": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
         "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
         "final_train_loss": st.last_loss, "final_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
@@ -370,30 +373,3 @@ def summarize(s: Session, seconds: float, tokens: int) -> dict[str, Any]:
     if s.rt.is_main and s.run.train.eval_interval and tokens:  # nothing new to draw for a complete run
         write_loss_chart(s.run.run_dir)
     return summary
-
-
-class _preemption_handler:
-    """SIGTERM / SIGINT set a flag; the next step's all-reduce makes every rank stop and save together."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.session.preempt_requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.session.preempt_requested = True
-        self.session.observer.note(f"received {signal.Signals(signum).name}: finishing this step, saving a "
-                                   "checkpoint, then exiting (send it again to stop at once)")
-
-    def __exit__(self, kind: Any, *exc: Any) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        if kind is not None and self.session.rt.distributed:
-            # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
-            # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits it).
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)

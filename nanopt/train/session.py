@@ -65,6 +65,9 @@ class Session:
     checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
     downstream_last: tuple[int, float] | None = None  # (step, seconds) of the latest downstream scoring
     source_val_losses: dict[str, float] = field(default_factory=dict)  # a mixture's latest loss per source
+    health: Any = None  # nanopt.train.health.HealthMonitor, set by the training loop when train.json `health` is on
+    health_probe: Any = None  # nanopt.train.health_probe.HealthProbe, likewise
+    health_signals: dict[str, Any] = field(default_factory=dict)  # the probe's last log step's fields
 
     @property
     def state(self) -> Counters:

@@ -23,8 +23,10 @@ class TrainingDiverged(NanoptError):
 
 
 def step(s: Session) -> tuple[float, float, bool]:
-    """One optimizer step over `accum` micro-batches; returns (mean loss over ranks, grad norm, stop?)."""
+    """One optimizer step over `accum` micro-batches; returns (mean loss over ranks, grad norm, stop?). A step whose
+    record will be logged also measures the health signals into `s.health_signals` (nanopt.train.health_probe)."""
     st, cfg = s.state, s.run.train
+    probe = s.health_probe if s.health_probe is not None and logged(s, st.step + 1) else None
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
     set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
@@ -37,19 +39,32 @@ def step(s: Session) -> tuple[float, float, bool]:
                 loss = s.prepared.model(inputs, targets)
             (loss / s.accum).backward()
         loss_sum += loss.detach().float()
+    if probe is not None:
+        probe.gradients()  # before clipping, as the global norm is
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     norm = _local(torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True))
     mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum, norm)
     if any_bad:
         _skip_nonfinite(s, mean_loss, norm_value)
     else:
+        if probe is not None:
+            probe.before_update()
         s.optimizer.step()
+        if probe is not None:
+            probe.after_update()
         st.consecutive_nonfinite = 0
     s.optimizer.zero_grad(set_to_none=True)
+    if probe is not None:
+        s.health_signals = probe.read()
     st.step += 1
     st.tokens += cfg.global_batch_tokens
     st.last_loss = mean_loss
     return mean_loss, norm_value, any_stop
+
+
+def logged(s: Session, step: int) -> bool:
+    """Whether step `step`'s record is logged: every log_interval steps, and the last."""
+    return step % s.run.train.log_interval == 0 or step == s.total_steps
 
 
 def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float]:

@@ -1,0 +1,165 @@
+"""Run health for real: tiny CPU runs that provoke each verdict (a learning rate far too small, far too large, a
+mis-scaled initialisation), a healthy one that gives none, --on-event, `nanopt eval --health`, and the signals'
+numbers under Muon and on two ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+from clihelp import assert_user_error, run_cli
+from trainhelp import make_run
+
+SHORT = {"max_steps": 30, "eval_interval": 0, "checkpoint_interval": 0}
+
+
+def records(run: Path, kind: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def verdicts(run: Path) -> list[tuple[str, int]]:
+    return [(r["verdict"], r["step"]) for r in records(run, "event") if r["event"] == "health"]
+
+
+def train(cli_in_process, run: Path, *extra: str):
+    result = cli_in_process("train", run, "--no-live", *extra)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_healthy_run_records_the_signals_and_reaches_no_verdict(tmp_path: Path, tiny_dataset: Path,
+                                                                  cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, **{**SHORT, "max_steps": 60})
+    result = train(cli_in_process, run)
+    assert verdicts(run) == []
+    assert "health:" not in result.stderr
+    logged = records(run, "train")
+    assert len(logged) == 60
+    for r in logged:
+        assert set(r["grad_norm_blocks"]) == {"embed_tokens", "layers.0", "layers.1", "norm"}  # the head is tied
+        blocks = math.sqrt(sum(v * v for v in r["grad_norm_blocks"].values()))
+        assert blocks == pytest.approx(r["grad_norm"], rel=1e-4)  # the blocks make up the norm clipping uses
+        assert 1e-4 < r["update_ratio"]["decay"] < 1.0
+        assert r["clipped_fraction"] in (0.0, 1.0)  # one step per log line
+    assert logged[-1]["loss_trend"] < 0
+    assert "health of this run" in result.stdout and "none" in result.stdout
+
+
+def test_a_learning_rate_far_too_small_is_a_plateau_and_stagnating_updates_each_said_once(
+        tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, learning_rate=1e-7, **SHORT)
+    out = tmp_path / "events.txt"
+    result = train(cli_in_process, run, "--on-event", f'echo "$NANOPT_EVENT $NANOPT_EVENT_STEP" >> {out}')
+    reached = verdicts(run)
+    assert sorted(name for name, _ in reached) == ["plateau", "stagnating_updates"]
+    assert all(13 <= step <= 30 for _, step in reached)  # after the warmup (3) and one window (10 steps)
+    for name, _ in reached:
+        assert result.stderr.count(f"health: {name}") == 1
+    assert "raise learning_rate" in result.stderr
+    lines = _wait_for_lines(out, 2)  # the command runs in the background, once per verdict
+    assert sorted(lines) == sorted(f"{name} {step}" for name, step in reached)
+    assert "on_event" in (run / "on_event.log").read_text()
+
+
+def test_a_learning_rate_far_too_large_is_exploding_gradients(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, learning_rate=5.0, recovery=False, **SHORT)
+    result = train(cli_in_process, run)
+    assert [name for name, _ in verdicts(run)] == ["exploding_gradients"]
+    assert result.stderr.count("health: exploding_gradients") == 1
+    assert "lower learning_rate" in result.stderr
+    assert "exploding_gradients" in result.stdout  # the end-of-run table
+
+
+def test_a_mis_scaled_initialisation_is_said_at_step_1(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    # Step 1 is not a log step (log_interval 10): the check sees every step's loss, not only the logged ones.
+    run = make_run(tmp_path, tiny_dataset, model={"initializer_range": 2.0}, log_interval=10,
+                   **{**SHORT, "max_steps": 3})
+    result = train(cli_in_process, run)
+    assert [r["step"] for r in records(run, "train")] == [3]
+    assert verdicts(run) == [("initial_loss", 1)]
+    assert "far above ln(vocab_size) = 6.238" in result.stderr
+    assert "initializer_range" in result.stderr
+
+
+def test_health_off_records_no_signal(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, model={"initializer_range": 2.0}, health=False,
+                   **{**SHORT, "max_steps": 3})
+    train(cli_in_process, run)
+    assert verdicts(run) == []
+    assert all("update_ratio" not in r for r in records(run, "train"))
+
+
+def test_a_resumed_run_does_not_say_its_verdict_again(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, learning_rate=1e-7, **{**SHORT, "checkpoint_interval": 20})
+    train(cli_in_process, run, "--set", "max_steps=20")
+    first = verdicts(run)
+    assert "stagnating_updates" in [name for name, _ in first]
+    result = train(cli_in_process, run, "--allow-changed")
+    assert verdicts(run)[:len(first)] == first
+    assert "health: stagnating_updates" not in result.stderr
+    assert [name for name, _ in verdicts(run)].count("stagnating_updates") == 1
+
+
+def test_eval_health_replays_the_metrics_and_draws_the_chart(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, learning_rate=1e-7, **SHORT)
+    train(cli_in_process, run)
+    result = cli_in_process("eval", run, "--health", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert sorted(v["name"] for v in report["verdicts"]) == ["plateau", "stagnating_updates"]
+    assert report["signals"]["step"] == 30 and report["signals"]["update_ratio"]["decay"] < 1e-5
+    assert Path(report["chart"]) == run / "health.png" and (run / "health.png").read_bytes()[:4] == b"\x89PNG"
+    table = cli_in_process("eval", run, "--health")
+    assert "stagnating_updates" in table.stdout and "update / parameter" in table.stdout
+    evaluated = cli_in_process("eval", run, "--no-samples", "--json")  # eval.json carries the same section
+    assert evaluated.returncode == 0, evaluated.stderr
+    saved = json.loads((run / "eval.json").read_text())["health"]
+    assert sorted(v["name"] for v in saved["verdicts"]) == ["plateau", "stagnating_updates"]
+
+
+def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
+    run = make_run(tmp_path, tiny_dataset)
+    assert_user_error(run_cli("eval", run, "--health"), "no metrics.jsonl")
+    assert_user_error(run_cli("eval", tmp_path / "missing", "--health"), "no such run directory")
+
+
+def test_muon_reports_its_matrices_ratio(tmp_path: Path, tiny_dataset: Path, cli_in_process):
+    run = make_run(tmp_path, tiny_dataset, optimizer="muon", **{**SHORT, "max_steps": 5})
+    train(cli_in_process, run)
+    ratios = records(run, "train")[-1]["update_ratio"]
+    assert set(ratios) == {"decay", "no_decay", "muon"}
+    assert 1e-4 < ratios["muon"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_ranks_measure_the_one_process_norms(tmp_path: Path, tiny_dataset: Path, parallelism: str):
+    """The same global batch on one process and on two gloo ranks (FSDP2: each holds a shard, reduced): the same
+    per-block gradient norms and update ratios."""
+    settings = {**SHORT, "max_steps": 2, "parallelism": parallelism}
+    one = make_run(tmp_path, tiny_dataset, name="one", **settings)
+    two = make_run(tmp_path, tiny_dataset, name="two", **settings)
+    for run, ranks in ((one, "1"), (two, "2")):
+        result = run_cli("train", run, "--no-live", "--nproc-per-node", ranks, timeout=300,
+                         env={"CUDA_VISIBLE_DEVICES": ""})
+        assert result.returncode == 0, result.stderr
+    for a, b in zip(records(one, "train"), records(two, "train"), strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        for block, norm in a["grad_norm_blocks"].items():
+            assert b["grad_norm_blocks"][block] == pytest.approx(norm, rel=1e-4)
+        for group, ratio in a["update_ratio"].items():
+            assert b["update_ratio"][group] == pytest.approx(ratio, rel=1e-3)
+
+
+def _wait_for_lines(path: Path, count: int, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.2)
+    return path.read_text().splitlines() if path.exists() else []
