@@ -105,9 +105,16 @@ class MuonWithAdamW:
         self.muon.load_state_dict(state["muon"])
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
-                    device: torch.device) -> torch.optim.AdamW | MuonWithAdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                    shard_states: bool = False) -> torch.optim.Optimizer | MuonWithAdamW:
+    """The optimizer train.json names; `shard_states`: its state sharded across the ranks (ZeRO-1, AdamW only:
+    nanopt.train.zero)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw" and shard_states:
+        from nanopt.train.zero import build_zero_adamw
+
+        return build_zero_adamw(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
+                                (cfg.beta1, cfg.beta2), cfg.adam_eps, _fused([p for _, p in named]))
     if cfg.optimizer == "adamw":
         return _adamw([p for _, p in named], cfg, device)
     muon_class = getattr(torch.optim, "Muon", None)
@@ -127,11 +134,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
 
 
 def _adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; the fused CUDA kernel on GPUs (one launch for all parameters), foreach on the CPU."""
-    fused = device.type == "cuda"
+    """AdamW; the fused CUDA kernel on GPUs (one launch for all parameters), foreach on the CPU (and for
+    parameters FSDP2 offloads to host memory, which live there on a GPU machine too)."""
+    fused = device.type == "cuda" and _fused(params)
     return torch.optim.AdamW(decay_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused,
                              foreach=None if fused else True)
+
+
+def _fused(params: list[torch.nn.Parameter]) -> bool:
+    return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
 # ------------------------------------------------------------------------------------------ Muon under FSDP2

@@ -18,7 +18,7 @@ from nanopt.runtime import MemoryProbe, Runtime, check_memory, device_peak_flops
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
-from nanopt.train.parallel import Prepared, prepare
+from nanopt.train.parallel import Prepared, prepare, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
@@ -114,7 +114,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         loader.prefetch(pin_for=rt.device)
     seed_everything(run.train.seed)
     prepared = prepare(Transformer(run.model), rt, run.train)
-    optimizer = build_optimizer(prepared.raw, run.train, rt.device)
+    optimizer = build_optimizer(prepared.raw, run.train, rt.device, shards_optimizer_only(run.train, rt))
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
     observer = observer if observer is not None and rt.is_main else Silent()
