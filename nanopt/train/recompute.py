@@ -19,15 +19,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-SELECTIVE = "selective"
-
-
-def checkpointed_blocks(setting: bool | int | str, num_blocks: int) -> list[int]:
-    """The indices of the blocks whose activations are recomputed in backward."""
-    if setting is False:
-        return []
-    every = 1 if setting is True or setting == SELECTIVE else int(setting)
-    return [index for index in range(num_blocks) if (index + 1) % every == 0]
+from nanopt.model.memory import SELECTIVE, checkpointed_blocks
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, setting: bool | int | str) -> None:

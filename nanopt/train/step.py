@@ -64,7 +64,9 @@ def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[floa
     bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
     stop = torch.full((), float(s.preempt_requested), device=s.rt.device)
     reduced = all_reduce_sum_(s.rt, torch.stack([loss_sum / s.accum, bad, stop]).double())
-    loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm.detach().double().reshape(1)]).tolist()
+    # The norm is on the CPU when FSDP2 offloads the gradients there ("fsdp_offload").
+    norm = norm.detach().double().reshape(1).to(reduced.device)
+    loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm]).tolist()
     return loss / s.rt.world_size, any_bad > 0, any_stop > 0, norm_value
 
 
