@@ -29,6 +29,7 @@ class EstimateOptions:
     # Counts as typed (7e9 is a float): whole numbers only once validated, as int() of NaN or infinity would raise.
     params: float | None = None  # estimate from a bare parameter count, without a run directory
     tokens: float | None = None  # with params: the token budget (default: Chinchilla-optimal)
+    compare_gpus: bool = False  # also the run on every GPU of the table, each at the rung it needs
 
     def validate(self) -> None:
         # Bounds far past any real cluster, device, price or budget: a value beyond one is a typo, and NaN or

@@ -63,11 +63,17 @@ def _this_machine(opts: EstimateOptions) -> Target:
                   opts.price_per_hour)
 
 
-def run_precision(run: RunConfig | None, on_cpu: bool) -> str:
-    # `auto` means bf16 on a GPU and fp32 on a CPU, as training resolves it (nanopt.runtime.resolve_precision).
+def run_precision(run: RunConfig | None, on_cpu: bool, bf16: bool = True) -> str:
+    # `auto` means bf16 on a GPU with bf16 (`bf16`) and fp32 elsewhere, as training resolves it
+    # (nanopt.runtime.resolve_precision).
     if run is None or run.train.precision == "auto":
-        return "fp32" if on_cpu else "bf16"
+        return "bf16" if bf16 and not on_cpu else "fp32"
     return run.train.precision
+
+
+def has_bf16(gpu: str) -> bool:
+    """Whether --gpu's card has bf16 tensor cores (a CPU estimate: irrelevant, fp32)."""
+    return not is_cpu(gpu) and resolve_gpu(gpu)[0].bf16
 
 
 def compiled(run: RunConfig, target: Target) -> bool:
@@ -76,7 +82,7 @@ def compiled(run: RunConfig, target: Target) -> bool:
 
 
 def run_memory(run: RunConfig, target: Target, precision: str, world_size: int, *,
-                activation_checkpointing: bool | None = None,
+                activation_checkpointing: bool | int | str | None = None,
                 parallelism: str | None = None) -> memory_model.MemoryEstimate:
     """The memory model for the run as configured, or with checkpointing / parallelism changed (what-ifs)."""
     return memory_model.estimate_memory(
