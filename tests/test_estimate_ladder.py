@@ -76,17 +76,17 @@ def test_an_8b_llama_on_eight_40gb_gpus_needs_sharded_weights(cli_in_process, tm
     assert all(r["host_bytes"] == pytest.approx(16 * params / 8, rel=1e-6) for r in offload)  # host memory per GPU
 
 
-def test_gpt2_small_on_a_t4_trains_in_fp32_with_plain_ddp(cli_in_process):
+def test_gpt2_small_on_a_t4_trains_in_fp16_with_plain_ddp(cli_in_process):
     report = ladder_of(cli_in_process, RUNS / "gpt2-small", "--gpu", "t4", "--compare-gpus")
     ladder = report["ladder"]
-    assert not GPUS["t4"].bf16 and ladder["precision"] == "fp32"  # `precision: auto` without bf16: fp32
+    assert not GPUS["t4"].bf16 and ladder["precision"] == "fp16"  # `precision: auto` without bf16: fp16
     check_against_the_verdict(RUNS / "gpt2-small", ladder, "t4")
     assert (ladder["recommended"]["parallelism"], ladder["recommended"]["activation_checkpointing"]) == ("ddp", False)
 
     compared = report["compare_gpus"]["rows"]
     assert {r["gpu"] for r in compared} == set(GPUS)
     [t4] = [r for r in compared if r["gpu"] == "t4"]
-    assert t4["precision"] == "fp32" and t4["rung"]["name"] == ladder["recommended"]["name"]
+    assert t4["precision"] == "fp16" and t4["rung"]["name"] == ladder["recommended"]["name"]
     per_token = [r["usd_per_million_tokens"] for r in compared if r["fits"]]
     assert per_token == sorted(per_token)
     # Each card's time is the train FLOPs at its peak and the assumed MFU, slowed by its rung.

@@ -20,6 +20,7 @@ from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
+from nanopt.train.scaling import new_scaler
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
 
@@ -124,7 +125,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes, sinks),
         observer=observer,
         flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
-        memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold),
+        memory=memory, train_state=TrainState(loader, new_scaler(rt)), spikes=SpikeMonitor(run.train.spike_threshold),
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
 
 

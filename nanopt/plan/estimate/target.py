@@ -64,10 +64,10 @@ def _this_machine(opts: EstimateOptions) -> Target:
 
 
 def run_precision(run: RunConfig | None, on_cpu: bool, bf16: bool = True) -> str:
-    # `auto` means bf16 on a GPU with bf16 (`bf16`) and fp32 elsewhere, as training resolves it
+    # `auto` means bf16 on a GPU with bf16 (`bf16`), fp16 on one without, fp32 on a CPU, as training resolves it
     # (nanopt.runtime.resolve_precision).
     if run is None or run.train.precision == "auto":
-        return "bf16" if bf16 and not on_cpu else "fp32"
+        return "fp32" if on_cpu else "bf16" if bf16 else "fp16"
     return run.train.precision
 
 
