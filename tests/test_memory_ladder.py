@@ -39,6 +39,14 @@ def train_in_rank(run: Path, kill_at: int | None) -> dict:
     return train(load_run(run), TrainOptions())
 
 
+def train_changed_in_rank(run: Path, overrides: dict) -> dict:
+    """`nanopt train RUN --set ... --allow-changed` in each torchrun worker."""
+    from nanopt.train.loop import train
+    from nanopt.train.session import TrainOptions
+
+    return train(load_run(run, overrides), TrainOptions(allow_changed=True))
+
+
 def _kill_at(step: int, checkpoints: Path, latest: str) -> None:
     import time
 
@@ -104,6 +112,18 @@ def test_a_kill_and_resume_on_the_same_ranks_is_bit_exact(tmp_path: Path, tiny_d
     run_ranks(train_in_rank, straight, None, env=HIDE_CUDA)
     resumed = tiny_run(tmp_path, tiny_dataset, "resumed", **SHORT, parallelism=parallelism)
     assert killed_then_resumed(resumed, 2, 2) == losses(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("written_by", "resumed_by"), [("fsdp_offload", "zero1"), ("zero1", "zero2")])
+def test_a_checkpoint_of_one_rung_resumes_on_another(tmp_path: Path, tiny_dataset: Path, ddp_losses: dict,
+                                                     written_by: str, resumed_by: str):
+    """The optimizer state moves between layouts: FSDP2's DTensor shards into ZeRO-1's per-rank entries and back."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", **SHORT, parallelism=written_by)
+    with pytest.raises(RankFailed):
+        run_ranks(train_in_rank, run, KILLED_AT, env=HIDE_CUDA)
+    run_ranks(train_changed_in_rank, run, {"parallelism": resumed_by}, world_size=4, env=HIDE_CUDA)
+    assert_like(ddp_losses, losses(run), (written_by, resumed_by))
 
 
 def zero1_state_in_rank(run: Path) -> dict:
