@@ -12,7 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-from nanopt.cli.estimate_ladder import print_compared, print_ladder
+from nanopt.cli.estimate_ladder import checkpointing_words, print_compared, print_ladder
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU
 
@@ -206,7 +206,7 @@ def _memory_table(r: dict[str, Any]) -> Table:
     a = r["memory_assumptions"]
     on_cpu = r["gpu"]["key"] == CPU
     settings = (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation checkpointing "
-                f"{_checkpointing(a['activation_checkpointing'])}, {a['parallelism']} x {a['world_size']})"
+                f"{checkpointing_words(a['activation_checkpointing'])}, {a['parallelism']} x {a['world_size']})"
                 if a else "")
     title = ("memory" if on_cpu else "memory per GPU") + settings
     table = Table(title=title, show_header=False, title_justify="left")
@@ -224,10 +224,6 @@ def _memory_table(r: dict[str, Any]) -> Table:
     table.add_row("predicted largest micro-batch", str(r["max_micro_batch"] if r["max_micro_batch"] is not None
                                                         else "-"))
     return table
-
-
-def _checkpointing(setting: bool | int | str) -> str:
-    return {False: "off", True: "on"}.get(setting, f"every {setting} blocks" if isinstance(setting, int) else setting)
 
 
 def _print_parallelism(p: dict[str, Any]) -> None:

@@ -12,6 +12,13 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import console
 
 
+def checkpointing_words(setting: bool | int | str) -> str:
+    """train.json's activation_checkpointing as words: off, on (every block), every k blocks, selective."""
+    if isinstance(setting, bool) or setting == 1:
+        return "on" if setting else "off"
+    return f"every {setting} blocks" if isinstance(setting, int) else setting
+
+
 def set_options(settings: dict[str, Any]) -> str:
     """The rung as `--set` options (what train, find-batch and preflight take)."""
     checkpointing = settings["activation_checkpointing"]
