@@ -157,6 +157,7 @@ def test_zero1_shards_the_optimizer_state_and_lists_every_parameter(tmp_path: Pa
     ({"parallelism": "zero3"}, "parallelism"),
     ({"optimizer": "muon", "parallelism": "zero1"}, "\"muon\" does not run with \"parallelism\": \"zero1\""),
     ({"optimizer": "muon", "parallelism": "fsdp_offload"}, "\"parallelism\": \"fsdp_offload\""),
+    ({"optimizer": "adamw8bit", "parallelism": "fsdp"}, "\"adamw8bit\" runs with \"parallelism\": \"ddp\" only"),
 ])
 def test_bad_ladder_settings_are_one_line_errors(tmp_path: Path, tiny_dataset: Path, cli_in_process, settings: dict,
                                                  message: str):
@@ -318,3 +319,51 @@ def test_activation_bytes_per_granularity_are_what_backward_keeps(architecture: 
     measured = _saved_by_blocks(model, batch) / (2 * 128)
     kept, _ = block_activation_bytes_per_token(cfg, 4, False, granularity)
     assert measured == pytest.approx(kept, rel=0.10), (measured, kept)
+
+
+# ------------------------------------------------------------------------------------------ 8-bit AdamW (torchao)
+
+EIGHT_BIT = {**SHORT, "optimizer": "adamw8bit"}
+
+
+@pytest.mark.slow
+def test_adamw8bit_resumes_exactly_after_a_kill_and_on_another_world_size(tmp_path: Path, tiny_dataset: Path):
+    pytest.importorskip("torchao")
+    from safetensors import safe_open
+
+    from nanopt.train import checkpoint as ckpt
+
+    straight = tiny_run(tmp_path, tiny_dataset, "straight", **EIGHT_BIT)
+    run_ranks(train_in_rank, straight, None, world_size=1, env=HIDE_CUDA)
+    resumed = tiny_run(tmp_path, tiny_dataset, "resumed", **EIGHT_BIT)
+    assert killed_then_resumed(resumed, 1, 1) == losses(straight)  # one process: bit for bit
+    with safe_open(ckpt.resolve(resumed, "latest").path / "optimizer.safetensors", "pt") as stored:
+        codes = [key for key in stored.keys() if key.endswith("/exp_avg_sq_codes")]
+        assert codes and stored.get_tensor(codes[0]).dtype == torch.uint8  # the 8-bit moments themselves
+    # Two DDP ranks write DCP shards; one process resumes them (and the reverse would too: the same conversion).
+    sharded = tiny_run(tmp_path, tiny_dataset, "sharded", **EIGHT_BIT)
+    assert_like(losses(straight), killed_then_resumed(sharded, 2, 1), "adamw8bit 2 -> 1 ranks")
+
+
+def test_adamw8bit_state_is_the_bytes_the_memory_model_counts():
+    pytest.importorskip("torchao")
+    from nanopt.model.memory import ADAM_8BIT_BYTES, states_only
+    from nanopt.model.transformer import Transformer
+    from nanopt.train.lowbit import build_adamw8bit
+    from nanopt.train.optim import decay_groups
+
+    # Each quantized tensor carries a 1 KiB code book per moment, which the model leaves out: a model of a few
+    # million parameters makes it what it is in real ones, a fraction of a percent.
+    cfg = ModelConfig(**{"architecture": "llama", "vocab_size": 512, **MEASURED_MODEL, "hidden_size": 256,
+                         "intermediate_size": 1024})
+    model = Transformer(cfg)
+    optimizer = build_adamw8bit(decay_groups(list(model.parameters()), 0.1), 1e-3, (0.9, 0.95), 1e-8)
+    batch = torch.randint(0, cfg.vocab_size, (2, 33))
+    model(batch[:, :-1], batch[:, 1:]).backward()
+    optimizer.step()
+    tensors = [part for entry in optimizer.state.values() for value in entry.values() if value.dim() > 0
+               for part in ([value.codes, value.scale, value.qmap] if hasattr(value, "codes") else [value])]
+    params = sum(p.numel() for p in model.parameters())
+    predicted = states_only(params, 1, adam_bytes=ADAM_8BIT_BYTES, parallelism="ddp").optimizer
+    assert _storage_bytes(tensors) == pytest.approx(predicted, rel=0.02)
+    assert _storage_bytes(tensors) < 0.3 * 8 * params  # against AdamW's 8 bytes a parameter

@@ -21,7 +21,7 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Parallelism = Literal["ddp", "zero1", "zero2", "fsdp", "fsdp_offload"]  # nanopt.train.parallel
 # false, true (every block), k (every k-th block) or "selective" (nanopt.train.recompute)
 ActivationCheckpointing = bool | int | Literal["selective"]
-OptimizerName = Literal["adamw", "muon"]
+OptimizerName = Literal["adamw", "muon", "adamw8bit"]
 CompileMode = bool | Literal["auto"]
 WandbMode = Literal["online", "offline"]
 
@@ -227,6 +227,10 @@ class TrainConfig:
         if type(checkpointing) is int and checkpointing < 1:
             raise ConfigError(f"{source}: key 'activation_checkpointing': {checkpointing} is not a block interval",
                               "use false, true, \"selective\" or k >= 1 (every k-th block)")
+        if self.optimizer == "adamw8bit" and self.parallelism != "ddp":
+            raise ConfigError(f"{source}: \"optimizer\": \"adamw8bit\" runs with \"parallelism\": \"ddp\" only, "
+                              f"not \"{self.parallelism}\" (its sharded state is not checkpointed yet)",
+                              "use \"parallelism\": \"ddp\", or \"optimizer\": \"adamw\"")
         if self.optimizer == "muon" and self.parallelism in ("zero1", "fsdp_offload"):
             raise ConfigError(f"{source}: \"optimizer\": \"muon\" does not run with \"parallelism\": "
                               f"\"{self.parallelism}\"", "use \"ddp\", \"zero2\" or \"fsdp\" with muon, or adamw")

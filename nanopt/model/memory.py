@@ -158,7 +158,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
         per_sequence += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
     states = states_only(count_params(cfg).total, world_size, activations_per_sequence=per_sequence,
-                         muon_params=muon_params, parallelism=parallelism)
+                         muon_params=muon_params, parallelism=parallelism,
+                         adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8)
     gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered)
 
@@ -223,12 +224,17 @@ def hidden_matrix_params(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + mlp_matrices * h * inner)
 
 
+# torchao's 8-bit AdamW: two one-byte moments and an fp32 scale per block of 256 values each (the few tensors under
+# 4096 values, norms and biases, keep fp32 moments: not counted).
+ADAM_8BIT_BYTES = 2 + 2 * 4 / 256
+
+
 def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0, muon_params: int = 0,
-                parallelism: str = "fsdp") -> MemoryEstimate:
+                parallelism: str = "fsdp", adam_bytes: float = 8) -> MemoryEstimate:
     """fp32 weights and gradients (4 bytes each per parameter) and AdamW's two moments (8), or Muon's one momentum
     buffer (4) for the `muon_params` it updates, over `shard` ranks as `parallelism` spreads them (SHARDED_STATES),
     plus the runtime overhead: all that can be said from a bare parameter count."""
-    optimizer = 8 * (params - muon_params) + 4 * muon_params
+    optimizer = adam_bytes * (params - muon_params) + 4 * muon_params
     weights, gradients, states = (math.ceil(total / (shard if sharded else 1)) for total, sharded
                                   in zip((4 * params, 4 * params, optimizer), SHARDED_STATES[parallelism],
                                          strict=True))

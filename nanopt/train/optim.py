@@ -117,6 +117,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
                                 (cfg.beta1, cfg.beta2), cfg.adam_eps, _fused([p for _, p in named]))
     if cfg.optimizer == "adamw":
         return _adamw([p for _, p in named], cfg, device)
+    if cfg.optimizer == "adamw8bit":
+        from nanopt.train.lowbit import build_adamw8bit
+
+        return build_adamw8bit(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
+                               (cfg.beta1, cfg.beta2), cfg.adam_eps)
     muon_class = getattr(torch.optim, "Muon", None)
     if muon_class is None:
         raise ConfigError(f"train.json: \"optimizer\": \"muon\" needs torch.optim.Muon, which torch "
@@ -287,7 +292,10 @@ def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
 
 def _set_group_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # torchao's 8-bit AdamW keeps it a tensor (its compiled step reads it)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def optimizers_of(optimizer: torch.optim.Optimizer | MuonWithAdamW) -> list[torch.optim.Optimizer]:

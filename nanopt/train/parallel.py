@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
+from nanopt.train.lowbit import plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 from nanopt.train.recompute import apply_activation_checkpointing
 from nanopt.train.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
@@ -169,7 +170,8 @@ def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimiz
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         load_zero_state_dict(prepared.raw, optimizer, state)  # each rank takes its own parameters' entries
         return
-    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state, options=FULL)
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=_live(optimizer, state),
+                             options=FULL)
 
 
 def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW) -> dict[str, Any]:
@@ -180,7 +182,8 @@ def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWit
     model = {k: v for k, v in get_model_state_dict(prepared.raw).items() if k not in aliases}
     if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: this rank's parameters' entries
         return {"model": model, "optimizer": zero_state_dict(prepared.raw, optimizer)}
-    return {"model": model, "optimizer": get_optimizer_state_dict(prepared.raw, optimizers_of(optimizer))}
+    return {"model": model, "optimizer": _stored(optimizer, get_optimizer_state_dict(prepared.raw,
+                                                                                     optimizers_of(optimizer)))}
 
 
 def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
@@ -193,4 +196,18 @@ def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | Mu
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         load_zero_state_dict(prepared.raw, optimizer, state["optimizer"])
         return
-    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state["optimizer"])
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer),
+                             optim_state_dict=_live(optimizer, state["optimizer"]))
+
+
+def _is_8bit(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "AdamW8bit"  # torchao's: imported only when train.json asks for it
+
+
+def _stored(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state as a checkpoint stores it: 8-bit moments as their plain tensors (nanopt.train.lowbit)."""
+    return plain_state(state) if _is_8bit(optimizer) else state
+
+
+def _live(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    return quantized_state(state) if _is_8bit(optimizer) else state

@@ -129,7 +129,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
 
 
-OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW", "adamw8bit": "8-bit AdamW"}
 
 
 def check_model_fits(run: RunConfig, rt: Runtime) -> None:
