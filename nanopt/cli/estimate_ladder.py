@@ -23,7 +23,8 @@ def set_options(settings: dict[str, Any]) -> str:
     """The rung as `--set` options (what train, find-batch and preflight take)."""
     checkpointing = settings["activation_checkpointing"]
     value = str(checkpointing).lower() if isinstance(checkpointing, bool) else checkpointing
-    return f"--set parallelism={settings['parallelism']} --set activation_checkpointing={value}"
+    return (f"--set parallelism={settings['parallelism']} --set activation_checkpointing={value}"
+            f" --set optimizer={settings['optimizer']}")
 
 
 def print_ladder(ladder: dict[str, Any]) -> None:

@@ -40,6 +40,11 @@ RECOMPUTE_SELECTIVE = 0.05
 # updated weights after the step (an all-gather more); ZeRO-2 reduce-scatters the gradients and gathers the
 # weights once (DDP's traffic, the weights in bf16); FSDP2 gathers them again in backward (1.5x DDP's traffic).
 COMMUNICATION = {"ddp": 0.0, "zero1": 0.03, "zero2": 0.02, "fsdp": 0.06, "fsdp_offload": 0.06}
+# torchao's 8-bit AdamW step quantizes and dequantizes both moments: memory-bound work, assumed at 2% of a step.
+EIGHT_BIT_STEP = 0.02
+# What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW with
+# ddp only.
+SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp",), "muon": ("ddp", "zero2", "fsdp")}
 # CPU offload, not overlapped: each rank's fp32 weight shards cross PCIe to the GPU in forward and again in
 # backward, every micro-step; its gradient shards come back once a step; its AdamW step runs on the CPU (reading
 # weights, gradients and both moments, writing weights and moments: 28 bytes per parameter) at the rate of torch's
@@ -51,26 +56,29 @@ OFFLOAD_GRADIENT_BYTES = 4
 OFFLOAD_HOST_BYTES_PER_PARAM = 28
 
 ASSUMPTIONS = ("slowdown against DDP without checkpointing, projected: recomputing every block +33% compute, "
-               "every k-th block +33%/k, selective +5%; exposed communication ZeRO-1 +3%, ZeRO-2 +2%, FSDP2 +6%; "
-               "CPU offload adds its PCIe copies (weights every micro-step) at 25 GB/s and a CPU AdamW step at "
-               "2 GB/s; a smaller micro-batch's lower utilization is not counted; `nanopt preflight` measures the "
-               "real step")
+               "every k-th block +33%/k, selective +5%; 8-bit AdamW +2%; exposed communication ZeRO-1 +3%, "
+               "ZeRO-2 +2%, FSDP2 +6%; CPU offload adds its PCIe copies (weights every micro-step) at 25 GB/s and a "
+               "CPU AdamW step at 2 GB/s; a smaller micro-batch's lower utilization is not counted; `nanopt "
+               "preflight` measures the real step")
 
 
 @dataclass(frozen=True)
 class Rung:
     parallelism: str
     checkpointing: bool | int | str
+    optimizer: str = "adamw"
 
     @property
     def name(self) -> str:
         checkpointing = {False: "", True: " + ckpt all", "selective": " + ckpt selective"}.get(
             self.checkpointing, f" + ckpt every {self.checkpointing}")
-        return SHARDING_NAMES[self.parallelism] + checkpointing
+        return SHARDING_NAMES[self.parallelism] + (" + 8-bit AdamW" if self.optimizer == "adamw8bit" else "") + \
+            checkpointing
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"parallelism": self.parallelism, "activation_checkpointing": self.checkpointing}
+        return {"parallelism": self.parallelism, "activation_checkpointing": self.checkpointing,
+                "optimizer": self.optimizer}
 
     def recompute(self) -> float:
         if self.checkpointing == "selective":
@@ -78,11 +86,18 @@ class Rung:
         every = {False: 0, True: 1}.get(self.checkpointing, self.checkpointing)
         return RECOMPUTE_ALL / every if every else 0.0
 
+    def slowdown(self) -> float:
+        """Recomputation, communication and the 8-bit step, before CPU offload's own cost (see `_offload`)."""
+        eight_bit = EIGHT_BIT_STEP if self.optimizer == "adamw8bit" else 0.0
+        return (1 + self.recompute()) * (1 + COMMUNICATION[self.parallelism]) + eight_bit
 
-def rungs(gpus: int) -> list[Rung]:
-    """Every rung on this many GPUs; one process shards nothing, so one GPU has DDP's rungs only."""
-    shardings = SHARDINGS if gpus > 1 else ("ddp",)
-    return [Rung(parallelism, checkpointing) for parallelism in shardings for checkpointing in CHECKPOINTING]
+
+def rungs(gpus: int, optimizer: str = "adamw") -> list[Rung]:
+    """Every rung on this many GPUs that train.json accepts with the run's optimizer (an AdamW run may also
+    switch to 8-bit AdamW); one process shards nothing, so one GPU has DDP's rungs only."""
+    optimizers = ("adamw", "adamw8bit") if optimizer in ("adamw", "adamw8bit") else (optimizer,)
+    return [Rung(parallelism, checkpointing, name) for name in optimizers for parallelism in SHARDINGS_FOR[name]
+            if gpus > 1 or parallelism == "ddp" for checkpointing in CHECKPOINTING]
 
 
 def ladder(run: RunConfig | None, target: Target, precision: str, gpus: int, mfu: float) -> dict[str, Any] | None:
@@ -92,8 +107,8 @@ def ladder(run: RunConfig | None, target: Target, precision: str, gpus: int, mfu
         return None
     step_s = run.train.global_batch_tokens * flops.flops_per_token(run.model, run.seq_len) / (
         gpus * target.peak_flops * mfu)
-    rows = sorted((_row(run, target, precision, gpus, rung, step_s) for rung in rungs(gpus)),
-                  key=lambda row: row["slowdown"])
+    rows = sorted((_row(run, target, precision, gpus, rung, step_s) for rung in rungs(gpus, run.train.optimizer)),
+                  key=lambda row: row["slowdown"])  # stable: at equal slowdown, the order of `rungs`
     recommended = next((row for row in rows if row["fits"]), None)
     return {"gpu": target.key, "gpus": gpus, "gpu_memory_bytes": target.memory_bytes, "precision": precision,
             "rows": rows, "recommended": recommended, "assumptions": ASSUMPTIONS}
@@ -101,11 +116,11 @@ def ladder(run: RunConfig | None, target: Target, precision: str, gpus: int, mfu
 
 def _row(run: RunConfig, target: Target, precision: str, gpus: int, rung: Rung, step_s: float) -> dict[str, Any]:
     memory = run_memory(run, target, precision, gpus, activation_checkpointing=rung.checkpointing,
-                        parallelism=rung.parallelism)
+                        parallelism=rung.parallelism, optimizer=rung.optimizer)
     largest = memory.max_micro_batch(target.memory_bytes)
     micro_batch = dividing_micro_batch(run, gpus, min(max(largest, 1), run.train.micro_batch_size))
     fits = largest >= 1 and fits_in(memory, micro_batch, target)
-    slowdown = (1 + rung.recompute()) * (1 + COMMUNICATION[rung.parallelism]) + _offload(run, rung, gpus, step_s)
+    slowdown = rung.slowdown() + _offload(run, rung, gpus, step_s)
     return {**rung.settings, "name": rung.name, "fits": fits, "micro_batch_size": micro_batch,
             "memory_bytes": memory.total(micro_batch), "host_bytes": memory.host, "slowdown": round(slowdown, 3)}
 

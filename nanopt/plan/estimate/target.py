@@ -83,13 +83,14 @@ def compiled(run: RunConfig, target: Target) -> bool:
 
 def run_memory(run: RunConfig, target: Target, precision: str, world_size: int, *,
                 activation_checkpointing: bool | int | str | None = None,
-                parallelism: str | None = None) -> memory_model.MemoryEstimate:
+                parallelism: str | None = None, optimizer: str | None = None) -> memory_model.MemoryEstimate:
     """The memory model for the run as configured, or with checkpointing / parallelism changed (what-ifs)."""
     return memory_model.estimate_memory(
         run.model, run.seq_len, precision=precision, compiled=compiled(run, target),
         activation_checkpointing=(run.train.activation_checkpointing if activation_checkpointing is None
                                   else activation_checkpointing),
-        parallelism=parallelism or run.train.parallelism, world_size=world_size, optimizer=run.train.optimizer,
+        parallelism=parallelism or run.train.parallelism, world_size=world_size,
+        optimizer=optimizer or run.train.optimizer,
         cuda=not target.is_cpu)
 
 
