@@ -15,6 +15,7 @@ from pathlib import Path
 from nanopt.errors import ConfigError
 
 GIB = 1 << 30
+MIB = 1 << 20
 GB = 10**9
 
 
@@ -27,6 +28,7 @@ class GPU:
     memory_bytes: int
     usd_per_hour: float
     device_words: tuple[str, ...]  # the words of torch.cuda.get_device_name() that identify this card
+    bf16: bool = True  # bf16 tensor cores (Ampere and newer); without them `precision: auto` means fp32
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for the compute dtype: bf16/fp16 tensor cores, or TF32 for fp32 runs."""
@@ -58,6 +60,11 @@ GPUS: dict[str, GPU] = {g.key: g for g in (
     GPU("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 71.0, 35.6, 24 * GB, 0.22, ("3090",)),
     GPU("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 82.6, 24 * GB, 0.35, ("4090",)),
     GPU("rtx-5090", "NVIDIA GeForce RTX 5090 32GB", 209.5, 104.8, 32 * GB, 0.69, ("5090",)),
+    # Before Ampere: fp16 tensor cores only (the first figure), and no TF32: fp32 runs at the CUDA cores' rate.
+    # Memory as the cards report it (15,360 and 16,160 / 32,768 MiB).
+    GPU("t4", "NVIDIA T4 16GB", 65.0, 8.1, 15360 * MIB, 0.35, ("t4",), bf16=False),
+    GPU("v100-16gb", "NVIDIA V100 SXM2 16GB", 125.0, 15.7, 16160 * MIB, 0.99, ("v100", "16gb"), bf16=False),
+    GPU("v100-32gb", "NVIDIA V100 SXM2 32GB", 125.0, 15.7, 32768 * MIB, 1.29, ("v100", "32gb"), bf16=False),
 )}
 
 DEFAULT_GPU = "h100-sxm"

@@ -75,7 +75,7 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
-    precision: str  # "bf16" or "fp32", resolved from "auto"
+    precision: str  # "bf16", "fp16" (CUDA only, with loss scaling: nanopt.train.scaling) or "fp32", from "auto"
     tf32: bool = False  # fp32 matmuls and convolutions run on TF32 tensor cores (CUDA, train.json "tf32")
 
     @property
@@ -90,7 +90,7 @@ class Runtime:
     def autocast_dtype(self) -> torch.dtype | None:
         import torch
 
-        return torch.bfloat16 if self.precision == "bf16" else None
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         import torch
@@ -101,15 +101,26 @@ class Runtime:
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
+
+    if requested == "auto":  # bf16 where the GPU has it, fp16 on GPUs without (T4, V100), fp32 on the CPU
+        if device.type != "cuda":
+            return "fp32"
+        return "bf16" if _has_bf16() else "fp16"
+    if requested == "fp16" and device.type != "cuda":
+        raise ConfigError("train.json: key 'precision': fp16 needs a CUDA GPU (fp16 autocast with dynamic loss "
+                          "scaling); this process trains on the CPU", "use \"fp32\" or \"auto\" on the CPU")
+    return requested
+
+
+def _has_bf16() -> bool:
+    """bf16 in hardware: torch's check counts emulation as support by default (a T4 would then run bf16 slowly)."""
+    import inspect
+
     import torch
 
-    if requested == "auto":
-        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return "bf16" if bf16_ok else "fp32"
-    if requested == "fp16":
-        raise ConfigError("train.json: key 'precision': fp16 is not supported (it needs loss scaling)",
-                          "use \"bf16\" (Ampere or newer) or \"fp32\"")
-    return requested
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.is_bf16_supported()
 
 
 ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the person's own allocator options, either name

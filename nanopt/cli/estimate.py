@@ -12,6 +12,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.cli.estimate_ladder import checkpointing_words, print_compared, print_ladder
 from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.errors import ConfigError
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
@@ -46,6 +47,8 @@ Examples:
 
   nanopt estimate runs/smollm-360m --flops 1e20           # a model of this run's family (vocab, GQA, options)
 
+  nanopt estimate runs/gpt2-small --compare-gpus --num-gpus 8      # every GPU of the table, cheapest per token first
+
 The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
 micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
 
@@ -53,6 +56,10 @@ The parallelism table gives, for 1, 2, 4, 8, 16, 32 and 64 GPUs (and --num-gpus)
 run's micro-batch on --gpu: DDP, then DDP + activation checkpointing, then FSDP2, then FSDP2 + activation
 checkpointing, or by how much nothing fits; and whether train.json's own layout fits. A warning names the layout to
 set when train.json's does not fit at --num-gpus while another would.
+
+The memory ladder lists every rung at --num-gpus (parallelism ddp, zero1, zero2, fsdp, fsdp_offload, each with
+activation checkpointing off, selective, every 2nd block or all) with its memory per GPU and projected slowdown
+against DDP, and recommends the fastest that fits, with the --set options for train, find-batch and preflight.
 
 Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
 measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
@@ -106,6 +113,9 @@ def estimate_command(
     write_model: Path | None = typer.Option(None, "--write-model", help="With --flops: write the planned model as "
                                                                         "this new model.json."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    compare: bool = typer.Option(False, "--compare-gpus", help="Also the run on --num-gpus of every GPU in the "
+                                                               "table: the ladder's rung for each, time, cost and "
+                                                               "dollars per million tokens, cheapest first."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU, and
@@ -118,7 +128,8 @@ def estimate_command(
     opts = EstimateOptions(
         gpu=gpu, num_gpus=num_gpus, mfu=mfu, price_per_hour=price_per_hour, peak_tflops=peak_tflops,
         gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else None, hours=hours,
-        tokens_per_param=chinchilla_ratio, params=params, tokens=tokens, flops=flops, family=family)
+        tokens_per_param=chinchilla_ratio, params=params, tokens=tokens, flops=flops, family=family,
+        compare_gpus=compare)
     if write_model is not None and flops is None:
         raise ConfigError("--write-model without --flops: it writes the model --flops plans",
                           "add --flops C, e.g. --flops 1e21")
@@ -189,7 +200,11 @@ def render(r: dict[str, Any]) -> None:
     out.print(_memory_table(r))
     if r["parallelism"] is not None:
         _print_parallelism(r["parallelism"])
+    if r["ladder"] is not None:
+        print_ladder(r["ladder"])
     _print_verdict(r["fit"])
+    if r["compare_gpus"] is not None:
+        print_compared(r["compare_gpus"])
     if r["parallelism"] is not None and r["parallelism"]["warning"]:
         out.print(f"[bold yellow]warning:[/] {escape(r['parallelism']['warning'])}", soft_wrap=True)
     if r["attention"] is not None and r["attention"]["warning"]:
@@ -262,7 +277,7 @@ def _memory_table(r: dict[str, Any]) -> Table:
     a = r["memory_assumptions"]
     on_cpu = r["gpu"]["key"] == CPU
     settings = (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation checkpointing "
-                f"{'on' if a['activation_checkpointing'] else 'off'}, {a['parallelism']} x {a['world_size']})"
+                f"{checkpointing_words(a['activation_checkpointing'])}, {a['parallelism']} x {a['world_size']})"
                 if a else "")
     title = ("memory" if on_cpu else "memory per GPU") + settings
     table = Table(title=title, show_header=False, title_justify="left")
@@ -309,8 +324,9 @@ def _print_parallelism(p: dict[str, Any]) -> None:
 
 def _short(layout: dict[str, Any]) -> str:
     """A layout's name as the compact table gives it (its full name is in --json and in the warning)."""
-    return ("FSDP2" if layout["parallelism"] == "fsdp" else "DDP") + (
-        " + ckpt" if layout["activation_checkpointing"] else "")
+    from nanopt.plan.estimate.layouts import SHARDING_NAMES
+
+    return SHARDING_NAMES[layout["parallelism"]] + (" + ckpt" if layout["activation_checkpointing"] else "")
 
 
 def _signed(free: int) -> str:

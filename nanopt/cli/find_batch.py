@@ -11,6 +11,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
+from nanopt.cli.estimate_ladder import checkpointing_words
 from nanopt.cli.launch import launch_if_asked
 from nanopt.plan.find_batch.search import DEFAULT_MAX_TRIALS
 from nanopt.runtime import ranks
@@ -139,7 +140,7 @@ def _trials_table(r: dict[str, Any]) -> Table:
     where = f"{r['world_size']} rank(s), " if r["world_size"] > 1 else ""
     title = (f"nanopt find-batch: {r['run']} on {r['device_name']} ({where}{r['precision']}, compile "
              f"{'on' if r['compiled'] else 'off'}, activation checkpointing "
-             f"{'on' if r['activation_checkpointing'] else 'off'}, seq_len {r['seq_len']})")
+             f"{checkpointing_words(r['activation_checkpointing'])}, {r['parallelism']}, seq_len {r['seq_len']})")
     table = Table(title=escape(title), title_justify="left")
     for name in ("micro-batch", "result", "peak", "predicted", "tokens/s", "MFU", "step", "accum"):
         table.add_column(name, justify="left" if name == "result" else "right")

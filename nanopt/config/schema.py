@@ -19,8 +19,10 @@ from nanopt.parsing import show_value
 Architecture = Literal["llama", "gpt2"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-Parallelism = Literal["ddp", "fsdp"]
-OptimizerName = Literal["adamw", "muon"]
+Parallelism = Literal["ddp", "zero1", "zero2", "fsdp", "fsdp_offload"]  # nanopt.train.parallel
+# false, true (every block), k (every k-th block) or "selective" (nanopt.train.recompute)
+ActivationCheckpointing = bool | int | Literal["selective"]
+OptimizerName = Literal["adamw", "muon", "adamw8bit"]
 CompileMode = bool | Literal["auto"]
 WandbMode = Literal["online", "offline"]
 InitRule = Literal["normal", "fan_in"]
@@ -177,7 +179,7 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
-    activation_checkpointing: bool = False
+    activation_checkpointing: ActivationCheckpointing = False
     parallelism: Parallelism = "ddp"
     optimizer: OptimizerName = "adamw"  # muon: Muon on the hidden matrices, AdamW (learning_rate) on the rest
     muon_learning_rate: float = 0.02  # Muon's peak LR; the schedule scales it by the same factor as learning_rate
@@ -264,6 +266,17 @@ class TrainConfig:
                               f"eval_interval (e.g. {max(evals, 1) * 4}), or 0 for none")
 
     def _check_optimizer(self, source: str) -> None:
+        checkpointing = self.activation_checkpointing
+        if type(checkpointing) is int and checkpointing < 1:
+            raise ConfigError(f"{source}: key 'activation_checkpointing': {checkpointing} is not a block interval",
+                              "use false, true, \"selective\" or k >= 1 (every k-th block)")
+        if self.optimizer == "adamw8bit" and self.parallelism != "ddp":
+            raise ConfigError(f"{source}: \"optimizer\": \"adamw8bit\" runs with \"parallelism\": \"ddp\" only, "
+                              f"not \"{self.parallelism}\" (its sharded state is not checkpointed yet)",
+                              "use \"parallelism\": \"ddp\", or \"optimizer\": \"adamw\"")
+        if self.optimizer == "muon" and self.parallelism in ("zero1", "fsdp_offload"):
+            raise ConfigError(f"{source}: \"optimizer\": \"muon\" does not run with \"parallelism\": "
+                              f"\"{self.parallelism}\"", "use \"ddp\", \"zero2\" or \"fsdp\" with muon, or adamw")
         if not (math.isfinite(self.muon_learning_rate) and self.muon_learning_rate > 0):
             raise ConfigError(f"{source}: key 'muon_learning_rate': must be positive, got {self.muon_learning_rate}",
                               "e.g. 0.02 (Muon's usual peak LR)")

@@ -30,9 +30,14 @@ class MemoryEstimate:
     # The loss's fp32 head gradient, formed in forward and held until backward, and its bf16 copy there (per GPU,
     # never sharded: the loss runs on the gathered head).
     loss_buffers: int = 0
+    # "zero2": every block's gathered weights, kept from forward to backward.
+    gathered: int = 0
+    # "fsdp_offload": the sharded weights, gradients and optimizer state, in host memory instead (per rank).
+    host: int = 0
 
     def fixed(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.loss_buffers
+        return (self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.loss_buffers
+                + self.gathered)
 
     def total(self, micro_batch_size: int) -> int:
         return self.fixed() + micro_batch_size * self.activations_per_sequence
@@ -44,7 +49,7 @@ class MemoryEstimate:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations_per_sequence": self.activations_per_sequence,
                 "runtime_overhead": self.runtime_overhead, "loss_buffers": self.loss_buffers,
-                "total": self.total(micro_batch_size)}
+                "gathered": self.gathered, "host": self.host, "total": self.total(micro_batch_size)}
 
 
 # Which SDPA kernel CUDA runs for nanopt's training attention (causal, no mask, enable_gqa for grouped queries).
@@ -89,7 +94,10 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     inner = cfg.intermediate_size
     residual = 2 * 4 * h  # block input and the mid-block residual, fp32
-    norms = 2 * act_bytes * h  # normalized inputs to the attention and MLP projections
+    # Per RMSNorm, the normalized values (kept for the gain's gradient) and the scaled output (the projections'
+    # input); LayerNorm's kernel keeps only its output (and a mean and rstd per token): counted by saved-tensor hooks
+    # on the CPU (tests/test_memory_ladder.py).
+    norms = (4 if cfg.architecture == "llama" else 2) * act_bytes * h
     # q, k, v as the attention kernel saves them, its output (o_proj's input) and its fp32 log-sum-exp per head
     attention = act_bytes * (h + 2 * kv) + act_bytes * h + 4 * cfg.num_attention_heads
     if cfg.architecture == "llama":
@@ -152,40 +160,84 @@ def loss_buffer_bytes(cfg: ModelConfig, act_bytes: int) -> int:
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
-                    activation_checkpointing: bool, parallelism: str, world_size: int,
+                    activation_checkpointing: bool | int | str, parallelism: str, world_size: int,
                     optimizer: str = "adamw", cuda: bool = True) -> MemoryEstimate:
-    """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights.
+    """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights, at one
+    rung of the ladder: train.json's `parallelism` (SHARDED_STATES) and `activation_checkpointing` (any
+    granularity: checkpointed_blocks).
 
     On CUDA (`cuda`) attention costs what the SDPA kernel the shape and precision get holds (attention_kernel):
     the math fallback adds its [H, T, T] scores per layer and, at the peak of one layer's backward, two more
     score-sized tensors. On the CPU, SDPA's flash kernel takes every precision and grouping.
 
     Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
-    momentum buffer for the hidden matrices it updates instead. FSDP shards all three across the world size, DDP
-    replicates them. Under bf16 autocast the bf16 copies of weights live only per layer during the step and are
-    counted in the runtime overhead.
+    momentum buffer for the hidden matrices it updates instead. Under bf16 autocast the bf16 copies of weights
+    live only per layer during the step and are counted in the runtime overhead (except zero2's, kept for every
+    block: `gathered`).
     """
-    shard = world_size if parallelism == "fsdp" else 1
+    parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel)
     act_bytes = 4 if precision == "fp32" else 2
-    per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled)
-    if cuda:
-        per_layer += expanded_kv_bytes(cfg, act_bytes)
     math_attention = cuda and attention_kernel(cfg, precision) == "math"
-    if math_attention:
-        per_layer += math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len)
-    if activation_checkpointing:
-        # Only each block's fp32 input is kept; one block's activations are rebuilt at a time in backward.
-        per_token = cfg.num_hidden_layers * 4 * cfg.hidden_size + per_layer
-    else:
-        per_token = cfg.num_hidden_layers * per_layer
-    per_token += loss_bytes_per_token(cfg, act_bytes, compiled)
+    extra = math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len) if math_attention else 0
+    if cuda:
+        extra += expanded_kv_bytes(cfg, act_bytes)
+    kept, recomputed = block_activation_bytes_per_token(cfg, act_bytes, compiled, activation_checkpointing, extra)
+    per_token = kept + recomputed + loss_bytes_per_token(cfg, act_bytes, compiled)
     per_sequence = per_token * seq_len + document_mask_bytes(cfg, act_bytes, seq_len)
     if math_attention:  # the scores' gradient and the probabilities' gradient in one layer's backward
         per_sequence += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
-    states = states_only(count_params(cfg).total, shard, activations_per_sequence=per_sequence,
-                         muon_params=muon_params)
-    return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes))
+    states = states_only(count_params(cfg).total, world_size, activations_per_sequence=per_sequence,
+                         muon_params=muon_params, parallelism=parallelism,
+                         adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8)
+    gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
+    return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered)
+
+
+SELECTIVE = "selective"
+
+
+def checkpointed_blocks(setting: bool | int | str, num_blocks: int) -> list[int]:
+    """The indices of the blocks whose activations are recomputed in backward (train.json's
+    `activation_checkpointing`: false, true, "selective", or k for every k-th block: k, 2k, ...)."""
+    if setting is False:
+        return []
+    every = 1 if setting is True or setting == SELECTIVE else int(setting)
+    return [index for index in range(num_blocks) if (index + 1) % every == 0]
+
+
+def block_activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, compiled: bool,
+                                     checkpointing: bool | int | str, extra_per_layer: int = 0) -> tuple[int, int]:
+    """(bytes the blocks keep for backward at the end of forward, bytes of the one block rebuilt at a time in
+    backward), per token. A checkpointed block keeps only its fp32 input; a selectively checkpointed one its input
+    and its matmul and attention outputs."""
+    per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled) + extra_per_layer
+    layers = cfg.num_hidden_layers
+    recomputed = len(checkpointed_blocks(checkpointing, layers))
+    block_input = 4 * cfg.hidden_size
+    if checkpointing == SELECTIVE:
+        return layers * (block_input + selective_bytes_per_token_per_layer(cfg, act_bytes)), per_layer
+    return (layers - recomputed) * per_layer + recomputed * block_input, per_layer if recomputed else 0
+
+
+def selective_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int) -> int:
+    """What selective checkpointing keeps of a block (nanopt.train.recompute): every projection's output (q, k, v,
+    o; the MLP's), the attention kernel's output and its fp32 log-sum-exp per head."""
+    h, kv, inner = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    mlp = 2 * inner + h if cfg.architecture == "llama" else inner + h
+    return act_bytes * (2 * h + 2 * kv + mlp) + act_bytes * h + 4 * cfg.num_attention_heads
+
+
+def block_params(cfg: ModelConfig) -> int:
+    """Parameters inside the transformer blocks (what FSDP2 gathers block by block)."""
+    return cfg.num_hidden_layers * count_params(cfg).per_layer
+
+
+# Which of weights, gradients and optimizer state each train.json `parallelism` shards across the ranks
+# (nanopt.train.parallel); "fsdp_offload" keeps its shards in host memory.
+SHARDED_STATES = {"ddp": (False, False, False), "zero1": (False, False, True), "zero2": (True, True, True),
+                  "fsdp": (True, True, True), "fsdp_offload": (True, True, True)}
+OFFLOADED = ("fsdp_offload",)
 
 
 def hidden_matrix_params(cfg: ModelConfig) -> int:
@@ -196,11 +248,23 @@ def hidden_matrix_params(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + mlp_matrices * h * inner)
 
 
-def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0, muon_params: int = 0) -> MemoryEstimate:
+# torchao's 8-bit AdamW: two one-byte moments and an fp32 scale per block of 256 values each (the few tensors under
+# 4096 values, norms and biases, keep fp32 moments: not counted).
+ADAM_8BIT_BYTES = 2 + 2 * 4 / 256
+
+
+def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0, muon_params: int = 0,
+                parallelism: str = "fsdp", adam_bytes: float = 8) -> MemoryEstimate:
     """fp32 weights and gradients (4 bytes each per parameter) and AdamW's two moments (8), or Muon's one momentum
-    buffer (4) for the `muon_params` it updates, sharded `shard` ways, plus the runtime overhead: all that can be
-    said from a bare parameter count."""
-    optimizer = 8 * (params - muon_params) + 4 * muon_params
-    return MemoryEstimate(weights=math.ceil(4 * params / shard), gradients=math.ceil(4 * params / shard),
-                          optimizer=math.ceil(optimizer / shard), activations_per_sequence=activations_per_sequence,
-                          runtime_overhead=RUNTIME_OVERHEAD_BYTES)
+    buffer (4) for the `muon_params` it updates, over `shard` ranks as `parallelism` spreads them (SHARDED_STATES),
+    plus the runtime overhead: all that can be said from a bare parameter count."""
+    optimizer = adam_bytes * (params - muon_params) + 4 * muon_params
+    weights, gradients, states = (math.ceil(total / (shard if sharded else 1)) for total, sharded
+                                  in zip((4 * params, 4 * params, optimizer), SHARDED_STATES[parallelism],
+                                         strict=True))
+    host = 0
+    if parallelism in OFFLOADED:
+        host, weights, gradients, states = weights + gradients + states, 0, 0, 0
+    return MemoryEstimate(weights=weights, gradients=gradients, optimizer=states,
+                          activations_per_sequence=activations_per_sequence, runtime_overhead=RUNTIME_OVERHEAD_BYTES,
+                          host=host)

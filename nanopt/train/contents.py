@@ -30,7 +30,7 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
 # Optimizer state shaped like its parameter (AdamW's moments, Muon's momentum); "step" is a scalar. Other names
 # (a newer torch's) are left to the optimizer, which reads only the names it knows.
 _LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "adamw8bit")
 
 
 def check_contents(path: Path, meta: dict[str, Any], bad: Bad) -> ModelConfig:

@@ -257,7 +257,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     tokens_per_s = (st.tokens - window.tokens) / elapsed
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
     record = {"step": st.step, "tokens": st.tokens, "epoch": s.loader.epochs_at(st.step), "loss": loss,
-              "lr": s.optimizer.param_groups[0]["lr"], "grad_norm": norm, "tokens_per_s": tokens_per_s,
+              "lr": float(s.optimizer.param_groups[0]["lr"]), "grad_norm": norm, "tokens_per_s": tokens_per_s,
               "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
               "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
               "peak_memory_bytes": s.memory.peak(), **source_record(s, st.step)}

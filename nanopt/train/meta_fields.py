@@ -51,6 +51,7 @@ def check_resume_fields(meta: dict[str, Any], bad: Bad) -> None:
     """CheckpointError (from `bad`) for the first resume field out of range; `meta` passed check_meta's types."""
     _check_counters(meta, bad)
     _check_recovery(meta.get("recovery"), meta["step"], bad)
+    _check_loss_scale(meta.get("loss_scale"), bad)
     _check_metrics(meta.get("metrics"), bad)
     if len(meta["ranks"]) != meta["world_size"]:
         raise bad(f"'ranks' lists {len(meta['ranks'])} rank(s) for a world_size of {meta['world_size']}")
@@ -117,6 +118,24 @@ def _check_recovery(recovery: Any, step: int, bad: Bad) -> None:
     unknown = sorted(set(recovery) - {"recoveries", "lr_ramp_start", "lr_ramp_factor"})
     if unknown:  # Counters.load_state_dict would set them as counters
         raise bad(f"'recovery' holds {show_value(unknown[0])}, which nanopt does not write")
+
+
+def _check_loss_scale(loss_scale: Any, bad: Bad) -> None:
+    """fp16's scaler state (nanopt.train.scaling): a positive finite scale, a non-negative count of good steps."""
+    if loss_scale is None:
+        return
+    scale = loss_scale.get("scale")
+    if not (is_number(scale) and 0 < scale <= MAX_LOSS_SCALE):
+        raise bad(f"loss_scale.scale is {show_value(scale)}, outside (0, 2**64]")
+    if not is_int(loss_scale.get("growth_tracker")):
+        raise bad(f"loss_scale.growth_tracker is {show_value(loss_scale.get('growth_tracker'))}, not a "
+                  "non-negative integer")
+    unknown = sorted(set(loss_scale) - {"scale", "growth_tracker"})
+    if unknown:
+        raise bad(f"'loss_scale' holds {show_value(unknown[0])}, which nanopt does not write")
+
+
+MAX_LOSS_SCALE = 2.0**64  # GradScaler starts at 2**16 and doubles only after 2000 good steps
 
 
 def _check_metrics(metrics: Any, bad: Bad) -> None:

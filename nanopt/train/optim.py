@@ -105,11 +105,23 @@ class MuonWithAdamW:
         self.muon.load_state_dict(state["muon"])
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
-                    device: torch.device) -> torch.optim.AdamW | MuonWithAdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                    shard_states: bool = False) -> torch.optim.Optimizer | MuonWithAdamW:
+    """The optimizer train.json names; `shard_states`: its state sharded across the ranks (ZeRO-1, AdamW only:
+    nanopt.train.zero)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw" and shard_states:
+        from nanopt.train.zero import build_zero_adamw
+
+        return build_zero_adamw(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
+                                (cfg.beta1, cfg.beta2), cfg.adam_eps, _fused([p for _, p in named]))
     if cfg.optimizer == "adamw":
         return _adamw([p for _, p in named], cfg, device)
+    if cfg.optimizer == "adamw8bit":
+        from nanopt.train.lowbit import build_adamw8bit
+
+        return build_adamw8bit(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
+                               (cfg.beta1, cfg.beta2), cfg.adam_eps)
     muon_class = getattr(torch.optim, "Muon", None)
     if muon_class is None:
         raise ConfigError(f"train.json: \"optimizer\": \"muon\" needs torch.optim.Muon, which torch "
@@ -127,11 +139,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
 
 
 def _adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; the fused CUDA kernel on GPUs (one launch for all parameters), foreach on the CPU."""
-    fused = device.type == "cuda"
+    """AdamW; the fused CUDA kernel on GPUs (one launch for all parameters), foreach on the CPU (and for
+    parameters FSDP2 offloads to host memory, which live there on a GPU machine too)."""
+    fused = device.type == "cuda" and _fused(params)
     return torch.optim.AdamW(decay_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused,
                              foreach=None if fused else True)
+
+
+def _fused(params: list[torch.nn.Parameter]) -> bool:
+    return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
 # ------------------------------------------------------------------------------------------ Muon under FSDP2
@@ -275,7 +292,10 @@ def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
 
 def _set_group_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # torchao's 8-bit AdamW keeps it a tensor (its compiled step reads it)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def optimizers_of(optimizer: torch.optim.Optimizer | MuonWithAdamW) -> list[torch.optim.Optimizer]:

@@ -1,6 +1,16 @@
 """Applied to a built model: activation checkpointing, FSDP2 or DDP, torch.compile; and its state dicts, full or
 sharded.
 
+train.json's `parallelism`, from the least memory saved to the most (PyTorch's own components throughout):
+ddp           DDP: a whole replica of weights, gradients and optimizer state per rank.
+zero1         DDP, the optimizer state sharded (torch.distributed.optim.ZeroRedundancyOptimizer: nanopt.train.zero).
+zero2         FSDP2 keeping each block's gathered weights from forward to backward (reshard_after_forward=False):
+              gradients and optimizer state sharded, no second all-gather in backward.
+fsdp          FSDP2 (ZeRO-3): weights too sharded, gathered per block in forward and again in backward.
+fsdp_offload  FSDP2 with CPUOffloadPolicy: sharded weights, gradients and optimizer state live in host memory,
+              copied to the GPU per block; the optimizer steps on the CPU.
+On one process every choice trains as DDP's would (nothing to shard across).
+
 The model module stays pure; everything about devices and ranks happens here. `Prepared.raw` is the
 unwrapped module (FSDP2 shards it in place), whose parameter names are the checkpoint's keys.
 """
@@ -8,7 +18,6 @@ unwrapped module (FSDP2 shards it in place), whose parameter names are the check
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +30,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.utils.checkpoint import checkpoint
 
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
+from nanopt.train.lowbit import plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
+from nanopt.train.recompute import apply_activation_checkpointing
+from nanopt.train.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL = StateDictOptions(full_state_dict=True)
@@ -65,27 +76,14 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block's activations in backward; parameter names stay unchanged."""
-    for block in model.layers:
-        block.forward = functools.partial(_checkpointed_forward, block.forward)
-
-
-def _checkpointed_forward(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
 def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     model.to(rt.device)
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     compiled = resolve_compile(cfg.compile, rt.device)
-    if cfg.parallelism == "fsdp" and rt.distributed:
+    if cfg.parallelism in FSDP2_CHOICES and rt.distributed:
         if compiled:
             _compile_blocks(model)  # before sharding: FSDP2's hooks must stay outside the compiled code
-        _shard(model, rt)
+        _shard(model, rt, cfg.parallelism)
         return Prepared(model=model, raw=model, ddp=None, fsdp=True, compiled=compiled)
     ddp = None
     wrapped: torch.nn.Module = model
@@ -127,17 +125,27 @@ def ddp_bucket_cap_mb(model: torch.nn.Module) -> int:
     return max(DDP_MIN_BUCKET_MB, math.ceil(layer_bytes / 2**20))
 
 
-def _shard(model: torch.nn.Module, rt: Runtime) -> None:
-    """FSDP2: one unit per transformer block, then the root (embeddings, final norm, head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+FSDP2_CHOICES = ("zero2", "fsdp", "fsdp_offload")
+
+
+def shards_optimizer_only(cfg: TrainConfig, rt: Runtime) -> bool:
+    """ZeRO-1: DDP's replicas, the optimizer state sharded (nanopt.train.zero)."""
+    return cfg.parallelism == "zero1" and rt.distributed
+
+
+def _shard(model: torch.nn.Module, rt: Runtime, choice: str) -> None:
+    """FSDP2: one unit per transformer block, then the root (embeddings, final norm, head), with the choice's
+    policies (see the module's docstring)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
     if rt.autocast_dtype is not None:
         # Gather parameters in bf16 (half the traffic), reduce gradients in fp32 for accuracy.
         policy = MixedPrecisionPolicy(param_dtype=rt.autocast_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda") if choice == "fsdp_offload" else OffloadPolicy()
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, offload_policy=offload, reshard_after_forward=choice != "zero2")
+    fully_shard(model, mp_policy=policy, offload_policy=offload)  # the root: FSDP2 keeps it gathered for backward
 
 
 # ------------------------------------------------------------------------------------------ state dicts
@@ -159,7 +167,11 @@ def load_full_model_state(prepared: Prepared, state: dict[str, torch.Tensor]) ->
 
 def load_full_optimizer_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
                               state: dict[str, Any]) -> None:
-    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state, options=FULL)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        load_zero_state_dict(prepared.raw, optimizer, state)  # each rank takes its own parameters' entries
+        return
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=_live(optimizer, state),
+                             options=FULL)
 
 
 def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW) -> dict[str, Any]:
@@ -168,7 +180,10 @@ def sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWit
     state is created (zeros) so that the dict can also serve as the template a checkpoint is loaded into."""
     aliases = tied_aliases(prepared.raw)
     model = {k: v for k, v in get_model_state_dict(prepared.raw).items() if k not in aliases}
-    return {"model": model, "optimizer": get_optimizer_state_dict(prepared.raw, optimizers_of(optimizer))}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: this rank's parameters' entries
+        return {"model": model, "optimizer": zero_state_dict(prepared.raw, optimizer)}
+    return {"model": model, "optimizer": _stored(optimizer, get_optimizer_state_dict(prepared.raw,
+                                                                                     optimizers_of(optimizer)))}
 
 
 def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | MuonWithAdamW,
@@ -178,4 +193,21 @@ def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | Mu
     for alias, name in tied_aliases(prepared.raw).items():
         model[alias] = model[name]
     set_model_state_dict(prepared.raw, model)
-    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer), optim_state_dict=state["optimizer"])
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        load_zero_state_dict(prepared.raw, optimizer, state["optimizer"])
+        return
+    set_optimizer_state_dict(prepared.raw, optimizers_of(optimizer),
+                             optim_state_dict=_live(optimizer, state["optimizer"]))
+
+
+def _is_8bit(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "AdamW8bit"  # torchao's: imported only when train.json asks for it
+
+
+def _stored(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state as a checkpoint stores it: 8-bit moments as their plain tensors (nanopt.train.lowbit)."""
+    return plain_state(state) if _is_8bit(optimizer) else state
+
+
+def _live(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    return quantized_state(state) if _is_8bit(optimizer) else state

@@ -18,8 +18,9 @@ from nanopt.runtime import MemoryProbe, Runtime, check_memory, device_peak_flops
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
-from nanopt.train.parallel import Prepared, prepare
+from nanopt.train.parallel import Prepared, prepare, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
+from nanopt.train.scaling import new_scaler
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
 from nanopt.train.world_fit import micro_batch_for_world
@@ -125,7 +126,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     seed_everything(run.train.seed)
     # The dataset's ids are the tokens: a model vocabulary padded past them keeps its padded rows out of the softmax.
     prepared = prepare(Transformer(run.model, tokenizer_vocab_size=dataset.id_limit), rt, run.train)
-    optimizer = build_optimizer(prepared.raw, run.train, rt.device)
+    optimizer = build_optimizer(prepared.raw, run.train, rt.device, shards_optimizer_only(run.train, rt))
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
     observer = observer if observer is not None and rt.is_main else Silent()
@@ -137,11 +138,11 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes, sinks),
         observer=observer,
         flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
-        memory=memory, train_state=TrainState(loader), spikes=SpikeMonitor(run.train.spike_threshold),
+        memory=memory, train_state=TrainState(loader, new_scaler(rt)), spikes=SpikeMonitor(run.train.spike_threshold),
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
 
 
-OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW", "adamw8bit": "8-bit AdamW"}
 
 
 def check_model_fits(run: RunConfig, rt: Runtime) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from nanopt.rng import rng_state, set_rng_state
+from nanopt.train.scaling import load_scaler_state, scaler_state
 
 
 @dataclass
@@ -50,9 +51,10 @@ class Counters:
 class TrainState:
     """Counters + this rank's loader + RNG: what a checkpoint holds besides the tensors."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, scaler: Any = None) -> None:
         self.counters = Counters()
         self.loader = loader
+        self.scaler = scaler  # fp16's torch.amp.GradScaler (nanopt.train.scaling), else None
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's part: gathered from every rank into meta.json's `ranks` list."""
@@ -61,7 +63,8 @@ class TrainState:
     def state_dict(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The meta.json fields, given every rank's `rank_state_dict()` in rank order."""
         c = self.counters
-        return {"step": c.step, "tokens": c.tokens, "best_val_loss": c.best_val_loss,
+        scale = {"loss_scale": scaler_state(self.scaler)} if self.scaler is not None else {}
+        return {**scale, "step": c.step, "tokens": c.tokens, "best_val_loss": c.best_val_loss,
                 "skipped_steps": c.skipped_steps, "ranks": rank_states,
                 "recovery": {key: getattr(c, key) for key in Counters.RECOVERY},
                 "metrics": {"train_loss": c.last_loss, "val_loss": c.last_val_loss, "val_step": c.val_step}}
@@ -73,6 +76,8 @@ class TrainState:
             "skipped_steps": int(meta.get("skipped_steps", 0)), "last_val_loss": metrics.get("val_loss"),
             "val_step": metrics.get("val_step"),
             "last_loss": metrics.get("train_loss"), **(meta.get("recovery") or {})})
+        if self.scaler is not None and meta.get("loss_scale") is not None:  # absent: a checkpoint of a bf16 run
+            load_scaler_state(self.scaler, meta["loss_scale"])
         ranks = meta["ranks"]
         self.loader.load_state_dict(ranks[min(rank, len(ranks) - 1)]["loader"])
         if len(ranks) == world_size:  # the same ranks: the same random streams (dropout) continue

@@ -13,7 +13,8 @@ import torch
 from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
 from nanopt.shown import shell_word
-from nanopt.train.optim import set_lr
+from nanopt.train.optim import optimizers_of, set_lr
+from nanopt.train.scaling import scaled, unscale, update
 from nanopt.train.schedule import lr_at, recovery_lr_multiplier
 from nanopt.train.session import Session
 
@@ -30,6 +31,7 @@ def step(s: Session) -> tuple[float, float, bool]:
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
     set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
+    scaler = s.train_state.scaler  # fp16 only (nanopt.train.scaling)
     for micro in range(s.accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
@@ -37,10 +39,11 @@ def step(s: Session) -> tuple[float, float, bool]:
         with s.prepared.gradient_sync(micro == s.accum - 1):
             with s.rt.autocast():
                 loss = s.prepared.model(inputs, targets)
-            (loss / s.accum).backward()
+            scaled(scaler, loss / s.accum).backward()
         loss_sum += loss.detach().float()
+    unscale(scaler, optimizers_of(s.optimizer))
     if probe is not None:
-        probe.gradients()  # before clipping, as the global norm is
+        probe.gradients()  # unscaled (fp16), before clipping, as the global norm is
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     norm = _local(torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True))
     mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum, norm)
@@ -53,6 +56,7 @@ def step(s: Session) -> tuple[float, float, bool]:
         if probe is not None:
             probe.after_update()
         st.consecutive_nonfinite = 0
+    update(scaler, any_bad)
     s.optimizer.zero_grad(set_to_none=True)
     if probe is not None:
         s.health_signals = probe.read()
@@ -79,7 +83,9 @@ def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[floa
     bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
     stop = torch.full((), float(s.preempt_requested), device=s.rt.device)
     reduced = all_reduce_sum_(s.rt, torch.stack([loss_sum / s.accum, bad, stop]).double())
-    loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm.detach().double().reshape(1)]).tolist()
+    # The norm is on the CPU when FSDP2 offloads the gradients there ("fsdp_offload").
+    norm = norm.detach().double().reshape(1).to(reduced.device)
+    loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm]).tolist()
     return loss / s.rt.world_size, any_bad > 0, any_stop > 0, norm_value
 
 

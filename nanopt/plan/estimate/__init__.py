@@ -9,7 +9,8 @@ Throughput is assumed (an MFU of the device's peak) unless the run directory hol
 and no MFU was given: then it is the measured tokens/s, and the report says so (`throughput_source`).
 
 The parts: `options` (what to estimate with, bounded), `target` (the device and the memory model of the run on it),
-`report` (the sections of the report), `fit` (the verdict and its remedies), `layouts` (the parallelism table).
+`report` (the sections of the report), `fit` (the verdict and its remedies), `layouts` (the parallelism table),
+`ladder` (every rung of the memory ladder at the run's GPU count, the fastest that fits, and --compare-gpus).
 """
 
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions, check_mfu

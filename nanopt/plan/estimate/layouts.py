@@ -15,6 +15,11 @@ from nanopt.plan.estimate.target import Target, dividing_micro_batch, fits_in, g
 PARALLELISM_GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 
+# train.json's `parallelism` values as tables name them (nanopt.train.parallel).
+SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP2",
+                  "fsdp_offload": "FSDP2 + CPU offload"}
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the training state is spread over the GPUs: train.json's `parallelism` and `activation_checkpointing`."""
@@ -24,8 +29,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return ("FSDP2" if self.parallelism == "fsdp" else "DDP") + (
-            " + activation checkpointing" if self.activation_checkpointing else "")
+        return SHARDING_NAMES[self.parallelism] + (" + activation checkpointing" if self.activation_checkpointing
+                                                    else "")
 
     @property
     def set_options(self) -> str:

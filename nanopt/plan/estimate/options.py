@@ -33,6 +33,7 @@ class EstimateOptions:
     tokens: float | None = None  # with params: the token budget (default: Chinchilla-optimal)
     flops: float | None = None  # plan from a compute budget: the compute-optimal model and tokens (budget.py)
     family: str | None = None  # with flops and no run directory: the architecture of the model planned
+    compare_gpus: bool = False  # also the run on every GPU of the table, each at the rung it needs
 
     def validate(self) -> None:
         # Bounds far past any real cluster, device, price or budget: a value beyond one is a typo, and NaN or

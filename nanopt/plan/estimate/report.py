@@ -14,9 +14,10 @@ from nanopt.model import flops
 from nanopt.model import memory as memory_model
 from nanopt.plan.estimate.budget import plan_budget
 from nanopt.plan.estimate.fit import fit
+from nanopt.plan.estimate.ladder import compare_gpus, ladder
 from nanopt.plan.estimate.layouts import parallelism
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
-from nanopt.plan.estimate.target import Target, compiled, run_memory, run_precision, target_for
+from nanopt.plan.estimate.target import Target, compiled, has_bf16, run_memory, run_precision, target_for
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
 from nanopt.shown import shell_word
@@ -31,7 +32,7 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     if opts.flops is not None:  # plan a model from a compute budget; a run directory gives only its family
         return plan_budget(run.model if run else None, _budget_options(run, opts))
     opts, measured, source = _throughput_source(run, opts)
-    precision = run_precision(run, is_cpu(opts.gpu))
+    precision = run_precision(run, is_cpu(opts.gpu), has_bf16(opts.gpu))
     target = target_for(opts, precision)
     report: dict[str, Any] = {"run": str(run.run_dir) if run else None}
     report.update(_model_section(run, opts))
@@ -42,6 +43,8 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     report.update(_batch_section(run, opts))
     report["fit"] = fit(run, opts.num_gpus, target, precision, report["params"])
     report["parallelism"] = parallelism(run, target, precision, opts.num_gpus)
+    report["ladder"] = ladder(run, target, precision, opts.num_gpus, report["gpu"]["mfu"] or DEFAULT_MFU)
+    report["compare_gpus"] = _compared(run, opts, report)
     report["attention"] = _attention(run, target, precision)
     return report
 
@@ -51,6 +54,16 @@ def _budget_options(run: RunConfig | None, opts: EstimateOptions) -> EstimateOpt
     price = opts.price_per_hour if opts.price_per_hour is not None else (run.train.price_per_hour if run else None)
     return replace(opts, gpu=opts.gpu or DEFAULT_GPU, num_gpus=opts.num_gpus or 1, mfu=opts.mfu or DEFAULT_MFU,
                    price_per_hour=price)
+
+
+def _compared(run: RunConfig | None, opts: EstimateOptions, report: dict[str, Any]) -> dict[str, Any] | None:
+    if not opts.compare_gpus:
+        return None
+    if run is None or is_cpu(opts.gpu):
+        raise ConfigError("--compare-gpus needs a run directory and GPUs (not --params, not --gpu cpu)",
+                          "e.g. `nanopt estimate runs/gpt2-small --compare-gpus --num-gpus 8`")
+    # The table's price for each card: a --price-per-hour (or train.json's) is one card's, not every card's.
+    return compare_gpus(run, replace(opts, price_per_hour=None), report["total_flops"], report["train_tokens"])
 
 
 def _attention(run: RunConfig | None, target: Target, precision: str) -> dict[str, Any] | None:

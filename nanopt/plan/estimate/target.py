@@ -63,11 +63,17 @@ def _this_machine(opts: EstimateOptions) -> Target:
                   opts.price_per_hour)
 
 
-def run_precision(run: RunConfig | None, on_cpu: bool) -> str:
-    # `auto` means bf16 on a GPU and fp32 on a CPU, as training resolves it (nanopt.runtime.resolve_precision).
+def run_precision(run: RunConfig | None, on_cpu: bool, bf16: bool = True) -> str:
+    # `auto` means bf16 on a GPU with bf16 (`bf16`), fp16 on one without, fp32 on a CPU, as training resolves it
+    # (nanopt.runtime.resolve_precision).
     if run is None or run.train.precision == "auto":
-        return "fp32" if on_cpu else "bf16"
+        return "fp32" if on_cpu else "bf16" if bf16 else "fp16"
     return run.train.precision
+
+
+def has_bf16(gpu: str) -> bool:
+    """Whether --gpu's card has bf16 tensor cores (a CPU estimate: irrelevant, fp32)."""
+    return not is_cpu(gpu) and resolve_gpu(gpu)[0].bf16
 
 
 def compiled(run: RunConfig, target: Target) -> bool:
@@ -76,14 +82,15 @@ def compiled(run: RunConfig, target: Target) -> bool:
 
 
 def run_memory(run: RunConfig, target: Target, precision: str, world_size: int, *,
-                activation_checkpointing: bool | None = None,
-                parallelism: str | None = None) -> memory_model.MemoryEstimate:
+                activation_checkpointing: bool | int | str | None = None,
+                parallelism: str | None = None, optimizer: str | None = None) -> memory_model.MemoryEstimate:
     """The memory model for the run as configured, or with checkpointing / parallelism changed (what-ifs)."""
     return memory_model.estimate_memory(
         run.model, run.seq_len, precision=precision, compiled=compiled(run, target),
         activation_checkpointing=(run.train.activation_checkpointing if activation_checkpointing is None
                                   else activation_checkpointing),
-        parallelism=parallelism or run.train.parallelism, world_size=world_size, optimizer=run.train.optimizer,
+        parallelism=parallelism or run.train.parallelism, world_size=world_size,
+        optimizer=optimizer or run.train.optimizer,
         cuda=not target.is_cpu)
 
 

@@ -105,7 +105,7 @@ _REQUIRED = {"format_version": int, "step": int, "tokens": int, "files": dict, "
              "world_size": int, "ranks": list, "config": dict}
 _OPTIONAL = {"best_val_loss": (int, float, type(None)), "skipped_steps": int, "metrics": dict, "tied": dict,
              "data_fingerprint": (str, type(None)), "tokenizer_sha256": (str, type(None)), "eos_id": int,
-             "layout": str, "weights_only": bool, "imported_from": dict, "device_type": str}
+             "layout": str, "weights_only": bool, "imported_from": dict, "device_type": str, "loss_scale": dict}
 # A weights-only checkpoint (`nanopt import`'s step 0) holds a model and nothing of a training session: no optimizer
 # state, no loader or RNG state. Training starts from its weights with a fresh optimizer at step 0.
 WEIGHTS_ONLY_ABSENT = ("optimizer_param_groups", "world_size", "ranks")
