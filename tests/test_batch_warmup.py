@@ -206,3 +206,29 @@ def test_preflight_times_full_size_steps(tmp_path: Path, tiny_dataset: Path):
     skip_the_ramp(session)
     assert (session.state.step, session.state.tokens) == (11, 576)
     assert session.loader.accum_at(session.state.step) == 8 and session.loader._first_sample() == 576 // 16
+
+
+@pytest.mark.slow
+def test_a_rollback_during_the_ramp_skips_data_by_its_batches_and_counts_the_tokens_read(tmp_path: Path,
+                                                                                        tiny_dataset: Path,
+                                                                                        launcher: Launcher):
+    # 2 sequences a step growing to 16 over 4,000 tokens: 47 ramp steps (18 of 32 tokens, 9 of 64, 6 of 96, ...).
+    # 30 healthy steps, then a learning rate of 10 spikes; the rollback to step 30 moves the data 10 steps past
+    # the spike, so the steps after it read the batches of later, larger ramp steps than their own numbers.
+    ramp = {"micro_batch_size": 1, "global_batch_tokens": 256, "batch_warmup_start_tokens": 32,
+            "batch_warmup_tokens": 4000, "max_steps": 30, "checkpoint_interval": 5, "eval_interval": 0,
+            "warmup_steps": 3, "log_interval": 1}
+    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, **ramp)
+    launcher.train(run)
+    result = launcher.train(run, "--set", "max_steps=40", "--set", "learning_rate=10", "--set",
+                            "recovery_lr_factor=0.0003", "--set", "recovery_lr_steps=1000000", "--allow-changed")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [event] = [r for r in records if r.get("event") == "recovery"]
+    assert event["to_step"] == 30, result.stderr[-3000:]
+    curve = BatchRamp(32, 256, 4000)
+    data_step = event["step"] + 10  # recovery_skip_steps
+    assert event["skipped_samples"] == (curve.tokens_before(data_step) - curve.tokens_before(30)) // 16
+    final = [r for r in records if r["kind"] == "train" and r["step"] == 40][-1]
+    read_after = curve.tokens_before(data_step + 10) - curve.tokens_before(data_step)  # steps 31-40's batches
+    assert final["tokens"] == curve.tokens_before(30) + read_after
+    assert ckpt.resolve(run, "latest").step == 40
