@@ -103,8 +103,9 @@ def test_the_loader_hands_out_each_steps_samples_once_on_any_world_size(tiny_dat
 
 
 # seq_len 16. The batch grows 32 -> 64 -> 96 -> 128 tokens (2 to 8 sequences) over 512 tokens: steps 0-5 at 32,
-# 6-8 at 64, 9-10 at 96, then 128. Micro-batch 1 is a whole micro-batch per rank on one and on two ranks.
-RAMP = {"micro_batch_size": 1, "global_batch_tokens": 128, "batch_warmup_start_tokens": 32,
+# 6-8 at 64, 9-10 at 96, then 128. Micro-batch 2 is one micro-batch of the first step on one rank; two ranks must
+# lower it to 1 (nanopt.train.world_fit), which a resume on another world size does by itself.
+RAMP = {"micro_batch_size": 2, "global_batch_tokens": 128, "batch_warmup_start_tokens": 32,
         "batch_warmup_tokens": 512, "max_steps": 14, "checkpoint_interval": 4, "eval_interval": 0,
         "warmup_steps": 2, "log_interval": 1}
 
@@ -125,7 +126,9 @@ def test_a_run_killed_before_the_ramp_boundaries_resumes_exactly_on_one_or_two_r
         killed = launcher.start("train", run, "--no-live", kill_at_step={
             "step": 7, "checkpoints": str(run / "checkpoints"), "latest": "step-000004"})
         assert launcher.wait(killed) != 0 and ckpt.resolve(run, "latest").step == 4  # SIGKILLed in step 7
-        launcher.train(run, *args)  # resumes at step 4, before the boundaries at steps 6, 9 and 11
+        resumed = launcher.train(run, *args)  # resumes at step 4, before the boundaries at steps 6, 9 and 11
+        lowered = "micro_batch_size 2 does not divide the batch warmup's first batch of 32 tokens on 2 rank(s)"
+        assert (lowered in resumed.stderr + resumed.stdout) == bool(args)
         got = losses(run)
         assert ckpt.resolve(run, "latest").meta["world_size"] == (2 if args else 1)
         if args:  # two ranks sum the same samples in another order
@@ -141,15 +144,13 @@ def test_a_run_killed_before_the_ramp_boundaries_resumes_exactly_on_one_or_two_r
     ({"batch_warmup_tokens": 0}, ("batch_warmup_tokens", "positive")),
 ])
 def test_a_bad_ramp_is_one_line(tmp_path: Path, tiny_dataset: Path, cli_in_process, change, words):
-    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, **{**RAMP, "micro_batch_size": 2,
-                                                                "batch_warmup_start_tokens": 64, **change})
+    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, **{**RAMP, "batch_warmup_start_tokens": 64, **change})
     assert_user_error(cli_in_process("train", run), *words)
     assert not (run / "checkpoints").exists()
 
 
 def test_a_ramp_not_whole_micro_batches_per_rank_is_one_line(tmp_path: Path, tiny_dataset: Path, cli_in_process):
-    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, **{**RAMP, "micro_batch_size": 2,
-                                                                "batch_warmup_start_tokens": 32})
+    run = make_run(tmp_path, tiny_dataset, model=TINY_MODEL, **RAMP)  # a fresh run: the person chooses
     result = cli_in_process("train", run, "--nproc-per-node", "2")
     assert_user_error(result, "batch_warmup_start_tokens", "32", "micro_batch_size x seq_len x world_size")
 
@@ -205,7 +206,7 @@ def test_preflight_times_full_size_steps(tmp_path: Path, tiny_dataset: Path):
     session = build_session(run, init_runtime("fp32"), writes=False)
     skip_the_ramp(session)
     assert (session.state.step, session.state.tokens) == (11, 576)
-    assert session.loader.accum_at(session.state.step) == 8 and session.loader._first_sample() == 576 // 16
+    assert session.loader.accum_at(session.state.step) == 4 and session.loader._first_sample() == 576 // 16
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ def micro_batch_for_world(run: RunConfig, world_size: int, resume: str) -> tuple
             raise
     configured = run.train.micro_batch_size
     fitted = max(size for size in range(1, min(configured, sequences) + 1) if sequences % size == 0)
-    note = (f"micro_batch_size {configured} does not divide the global batch of {smallest:,} "
+    batch = "global batch" if run.train.batch_ramp is None else "batch warmup's first batch"
+    note = (f"micro_batch_size {configured} does not divide the {batch} of {smallest:,} "
             f"tokens on {world_size} rank(s): this session uses {fitted} (accumulation {sequences // fitted}), the "
             "largest that does; train.json is unchanged")
     return dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=fitted)), note
