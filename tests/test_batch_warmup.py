@@ -233,3 +233,18 @@ def test_a_rollback_during_the_ramp_skips_data_by_its_batches_and_counts_the_tok
     read_after = curve.tokens_before(data_step + 10) - curve.tokens_before(data_step)  # steps 31-40's batches
     assert final["tokens"] == curve.tokens_before(30) + read_after
     assert ckpt.resolve(run, "latest").step == 40
+
+
+def test_the_ramp_cannot_change_on_resume_even_when_asked():
+    """Every step's samples follow from the ramp: changed, a checkpoint's step would point at other data."""
+    from nanopt.config import ModelConfig, RunConfig, TrainConfig
+    from nanopt.errors import ResumeError
+    from nanopt.train.resume import check_resumable
+
+    model = ModelConfig(**{"architecture": "llama", "vocab_size": 64, **TINY_MODEL})
+    saved = RunConfig(run_dir=Path("r"), model=model, train=TrainConfig(data="d", **RAMP)).snapshot()
+    meta = {"config": saved, "world_size": 1, "data_fingerprint": "f"}
+    for key, value in (("batch_warmup_tokens", 1024), ("batch_warmup_start_tokens", 64)):
+        changed = RunConfig(run_dir=Path("r"), model=model, train=TrainConfig(data="d", **{**RAMP, key: value}))
+        with pytest.raises(ResumeError, match=f"cannot resume.*{key}"):
+            check_resumable(meta, changed, "f", allow_changed=True, world_size=1)
