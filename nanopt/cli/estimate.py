@@ -171,6 +171,7 @@ def render(r: dict[str, Any]) -> None:
         ("train tokens", f"{fmt.count(r['train_tokens'])} = {fmt.ratio(r['train_tokens_vs_chinchilla'])} x Chinchilla"),
         ("optimizer steps", fmt.exact(r["optimizer_steps"])),
         ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
+        *_batch_warmup_rows(r.get("batch_warmup")),
         ("total training FLOPs", fmt.sci(r["total_flops"])),
         ("peak" if g["key"] == CPU else "peak per GPU", f"{_tflops(g['peak_tflops'])} ({g['peak_source']}), "
                                                          f"{_mfu_text(r)}"),
@@ -252,6 +253,13 @@ def _throughput_text(source: dict[str, Any]) -> str:
     failed = (f"; its checks failed: {', '.join(source['failed_checks'])}" if source["failed_checks"] else "")
     return (f" (measured by nanopt preflight on {source['device']} at {source['measured_at']}, "
             f"{source['steps']} steps{failed})")
+
+
+def _batch_warmup_rows(warmup: dict | None) -> list[tuple[str, str]]:
+    if warmup is None:
+        return []
+    return [("batch warmup", f"from {fmt.exact(warmup['start_tokens'])} tokens a step over the first "
+                             f"{fmt.count(warmup['tokens'])} tokens ({fmt.exact(warmup['steps'])} steps)")]
 
 
 def _tflops(tflops: float) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from nanopt.config.batch_ramp import BatchRamp, check_batch_warmup, ramp_of
 from nanopt.config.mixture import Mixture, resolve_mixture, wsd_decay_start
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
@@ -35,7 +36,8 @@ InitRule = Literal["normal", "fan_in"]
 MAX_MODEL_DIMENSION = 2**24
 
 # train.json keys that count tokens: also written as people write counts ("2.5B", "500M", "20e9"), as --max-tokens is.
-TOKEN_COUNT_KEYS = ("train_tokens", "eval_tokens", "global_batch_tokens")
+TOKEN_COUNT_KEYS = ("train_tokens", "eval_tokens", "global_batch_tokens", "batch_warmup_tokens",
+                    "batch_warmup_start_tokens")
 # The budget is one or the other.
 BUDGET_KEYS = ("train_tokens", "max_steps")
 
@@ -201,6 +203,10 @@ class TrainConfig:
     wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
     data_phases: list[Any] | None = None  # a mixture per phase: [{"from": 0.9 | STEP | "decay", "mixture": {...}}]
     data_epochs_warning: float = 4.0  # warn at start-up when a mixture's source would be read more often than this
+    # Batch-size warmup (nanopt.config.batch_ramp): the global batch starts at batch_warmup_start_tokens and grows
+    # in whole multiples of it to global_batch_tokens over the first batch_warmup_tokens tokens. None: off.
+    batch_warmup_tokens: int | None = None
+    batch_warmup_start_tokens: int | None = None
 
     def validate(self, model: ModelConfig, source: str = "train.json", *, look_up_data: bool = True) -> None:
         # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
@@ -246,6 +252,8 @@ class TrainConfig:
                 f"raise it to a multiple of {tokens_per_micro} or lower micro_batch_size")
 
         self._check_optimizer(source)
+        check_batch_warmup(self.batch_warmup_start_tokens, self.batch_warmup_tokens, self.global_batch_tokens,
+                           self.micro_batch_size * self.resolved_seq_len(model), isinstance(self.data, dict), source)
         for item in (self.mixture(source).sources if isinstance(self.data, dict) else ()):
             _check_dataset_path(item.path, source, look_up_data)
         _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
@@ -282,9 +290,24 @@ class TrainConfig:
                               "e.g. 0.02 (Muon's usual peak LR)")
 
     @property
+    def batch_ramp(self) -> BatchRamp | None:
+        """The batch of every step under batch warmup; None when the batch is global_batch_tokens throughout."""
+        if self.batch_warmup_tokens is None or self.batch_warmup_start_tokens is None:
+            return None
+        return ramp_of(self.batch_warmup_start_tokens, self.global_batch_tokens, self.batch_warmup_tokens)
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens trained by the optimizer steps before `step`."""
+        ramp = self.batch_ramp
+        return step * self.global_batch_tokens if ramp is None else ramp.tokens_before(step)
+
+    @property
     def total_steps(self) -> int:
         if self.max_steps is not None:
             return self.max_steps
+        ramp = self.batch_ramp
+        if ramp is not None:
+            return ramp.steps_for(self.train_tokens)
         return math.ceil(self.train_tokens / self.global_batch_tokens)
 
     def mixture(self, source: str = "train.json") -> Mixture | None:
@@ -348,6 +371,11 @@ class RunConfig:
                 f"{world_size} = {per_step}",
                 _batch_suggestions(self.train.global_batch_tokens, self.seq_len, world_size,
                                    self.train.micro_batch_size))
+        if self.train.batch_ramp is not None:
+            check_batch_warmup(self.train.batch_warmup_start_tokens, self.train.batch_warmup_tokens,
+                               self.train.global_batch_tokens, per_step, False, "train.json",
+                               f"micro_batch_size x seq_len x world_size = {self.train.micro_batch_size} x "
+                               f"{self.seq_len} x {world_size}")
         return accum
 
     @property
@@ -356,7 +384,7 @@ class RunConfig:
 
     @property
     def total_tokens(self) -> int:
-        return self.total_steps * self.train.global_batch_tokens
+        return self.train.tokens_before(self.total_steps)
 
     def snapshot(self) -> dict[str, Any]:
         """The full config, as stored in checkpoints to detect a changed run on resume."""

@@ -13,7 +13,9 @@ The position (step, micro-step) is all a checkpoint needs, so a run resumes exac
 Sample assignment: optimizer step s consumes G = micro_batch_size x grad_accum x world_size samples, namely
 [s*G, (s+1)*G); micro-step m of rank r takes the B samples starting at s*G + (m*world_size + r)*B. The samples of a
 step therefore depend only on G: one rank with grad_accum 2 and two ranks with grad_accum 1 train on the same
-samples, and a run may resume on another number of ranks (or micro-batch size) at a step boundary.
+samples, and a run may resume on another number of ranks (or micro-batch size) at a step boundary. Under batch
+warmup (nanopt.config.batch_ramp) G_s and the first sample of step s (the prefix sum of G) are pure functions of s
+from train.json alone, step s runs G_s / (B x world_size) micro-steps, and the same holds.
 
 Evaluation scores a fixed slice instead, chosen by the split, seq_len and the requested tokens N alone, never by
 the world size or micro-batch size: the split's first min(N, tokens - 1) targets (all: tokens - 1; the first token
@@ -37,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from nanopt.config.batch_ramp import BatchRamp
 from nanopt.data.dataset import TokenDataset, TokenStream, check_compatible, retokenize_hint
 from nanopt.data.permutation import FeistelPermutation
 from nanopt.errors import DataError, ResumeError
@@ -126,9 +129,12 @@ def _check_layout(seq_len: int, micro_batch_size: int, rank: int, world_size: in
 class TrainLoader:
     """Deterministic, shuffled, disjoint-across-ranks micro-batches; state_dict() resumes at the very next one."""
 
+    batch_ramp: BatchRamp | None = None  # batch warmup (nanopt.config.batch_ramp): the batch of each step
+
     def __init__(self, dataset: TokenDataset, split: str, seq_len: int, micro_batch_size: int, grad_accum: int,
-                 rank: int, world_size: int, seed: int) -> None:
+                 rank: int, world_size: int, seed: int, batch_ramp: BatchRamp | None = None) -> None:
         _check_layout(seq_len, micro_batch_size, rank, world_size)
+        self.batch_ramp = batch_ramp
         if grad_accum < 1:
             raise ValueError(f"grad_accum {grad_accum} must be positive")
         self.dataset, self.split, self.seq_len, self.seed = dataset, split, seq_len, seed
@@ -149,7 +155,22 @@ class TrainLoader:
 
     @property
     def samples_per_step(self) -> int:
+        """The full global batch, in samples (under batch warmup, the batch after the ramp)."""
         return self.micro_batch_size * self.grad_accum * self.world_size
+
+    def samples_in(self, step: int) -> int:
+        """The global batch of optimizer step `step`, in samples."""
+        ramp = self.batch_ramp
+        return self.samples_per_step if ramp is None else ramp.tokens_in(step) // self.seq_len
+
+    def first_sample_of(self, step: int) -> int:
+        """The global index of step `step`'s first sample: the samples of every step before it."""
+        ramp = self.batch_ramp
+        return step * self.samples_per_step if ramp is None else ramp.tokens_before(step) // self.seq_len
+
+    def accum_at(self, step: int) -> int:
+        """Micro-batches per rank in optimizer step `step`: grad_accum, or fewer during batch warmup."""
+        return self.samples_in(step) // (self.micro_batch_size * self.world_size)
 
     @property
     def epoch(self) -> int:
@@ -160,10 +181,10 @@ class TrainLoader:
         """Passes over the split after `step` optimizer steps, counting every rank's samples: 1.37 is one whole
         pass and 37% of the next. The same on every rank and any world size (samples_per_step is the global
         batch)."""
-        return step * self.samples_per_step / self.num_windows
+        return self.first_sample_of(step) / self.num_windows
 
     def _first_sample(self) -> int:
-        return (self.step * self.samples_per_step
+        return (self.first_sample_of(self.step)
                 + (self.micro_step * self.world_size + self.rank) * self.micro_batch_size)
 
     def prefetch(self, pin_for: Any = None) -> None:
@@ -192,7 +213,7 @@ class TrainLoader:
         if batch is None:
             batch = self._read(self._starts(), ahead is not None and ahead.pin_for is not None)
         self.micro_step += 1
-        if self.micro_step == self.grad_accum:
+        if self.micro_step == self.accum_at(self.step):
             self.step, self.micro_step = self.step + 1, 0
         if ahead is not None:
             # The next batch's windows are found here, in the training thread (the permutation is cached per
@@ -215,8 +236,8 @@ class TrainLoader:
 
     def _check_step(self) -> None:
         """Check the token ids of every sample of the step, on every rank: the same DataError on all ranks."""
-        first = self.step * self.samples_per_step
-        starts = self._windows(np.arange(first, first + self.samples_per_step, dtype=np.int64)) * self.seq_len
+        first = self.first_sample_of(self.step)
+        starts = self._windows(np.arange(first, first + self.samples_in(self.step), dtype=np.int64)) * self.seq_len
         check_token_ids(self.dataset, self.split, self.stream, starts, self.seq_len + 1, f" at step {self.step + 1}")
         self._checked_step = self.step
 

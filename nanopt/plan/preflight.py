@@ -127,9 +127,11 @@ def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float
     from nanopt.plan.profile import TimedLoader
     from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session
+    from nanopt.train.shape_schedule import skip_the_ramp
 
     progress("setup", 0, 1)
     session = build_session(run, rt, writes=False)
+    skip_the_ramp(session)  # batch warmup: time the full-size steps that take most of the run
     # Training hashes a dataset of up to 1 GiB whole when it opens it (writes=True); that is part of its setup.
     open_run_data(run)
     if run.train.eval_interval:  # training checks the validation slice before its first step, too
@@ -155,7 +157,7 @@ def _synchronize(rt: Any) -> None:
 def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progress: Progress) -> None:
     """`warmup` then `steps` optimizer steps, each timed; the memory peak after the first quarter of the measured
     steps and at the end. A run that diverges (too many non-finite steps in a row) stops there and says so."""
-    from nanopt.train.schedule import lr_at
+    from nanopt.train.schedule import scheduled_lr
     from nanopt.train.step import TrainingDiverged, step
 
     memory, loader = session.memory, session.loader
@@ -166,7 +168,7 @@ def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progres
             measured.peak_bytes = memory.peak()
             memory.reset()
             _collect_garbage()
-        lr = lr_at(session.state.step, session.total_steps, session.run.train)
+        lr = scheduled_lr(session.state.step, session.total_steps, session.run.train)
         loader.take()
         started = time.perf_counter()
         try:

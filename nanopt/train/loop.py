@@ -31,6 +31,7 @@ from nanopt.train.recovery import recover_if_needed, spike_pending, start_watchi
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
+from nanopt.train.shape_schedule import step_times, warmup_note
 from nanopt.train.step import step
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
@@ -114,7 +115,7 @@ def _announce(s: Session) -> None:
     s.observer.note(
         f"{s.run.run_dir}: {params:,} parameters, {s.total_steps} steps of {s.run.train.global_batch_tokens:,} "
         f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
-        f"{s.accum} accumulation), {s.rt.device.type} {s.rt.precision}"
+        f"{s.accum} accumulation){warmup_note(s.run.train)}, {s.rt.device.type} {s.rt.precision}"
         f"{' without TF32' if s.rt.device.type == 'cuda' and not s.rt.tf32 else ''}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
 
@@ -256,12 +257,11 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     elapsed = max(now - window.time, 1e-9)
     tokens_per_s = (st.tokens - window.tokens) / elapsed
     utilization = mfu(tokens_per_s, s.flops_per_token, s.rt.world_size, s.peak_flops)
+    step_s, full_step_s = step_times(s.run.train, elapsed, window.tokens, st.tokens)  # batch warmup's are shorter
     record = {"step": st.step, "tokens": st.tokens, "epoch": s.loader.epochs_at(st.step), "loss": loss,
               "lr": float(s.optimizer.param_groups[0]["lr"]), "grad_norm": norm, "tokens_per_s": tokens_per_s,
-              "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops),
-              "step_time_s": elapsed / max(1, (st.tokens - window.tokens) // s.run.train.global_batch_tokens),
-              "peak_memory_bytes": s.memory.peak(), **source_record(s, st.step)}
-    record.update(_time_and_money(s, record["step_time_s"]))
+              "mfu": utilization, "mfu_note": mfu_note(utilization, s.peak_flops), "step_time_s": step_s,
+              "peak_memory_bytes": s.memory.peak(), **source_record(s, st.step), **_time_and_money(s, full_step_s)}
     health_watch.on_log(s, record)  # its fields, and any verdict they newly show
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)

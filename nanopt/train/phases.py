@@ -169,11 +169,13 @@ def occasions(interval: int, after_step: int, total_steps: int) -> int:
 def projected_seconds(run: Any, from_step: int, step_s: float, eval_s: float | None,
                       checkpoint_s: float | None, setup_s: float = 0.0) -> dict[str, float]:
     """Seconds per phase to take `run` (a RunConfig) from `from_step` to its end at these measured durations:
-    the steps left, the evaluations and checkpoints they include, and a setup. Other time is not projected."""
+    the steps left, the evaluations and checkpoints they include, and a setup. Other time is not projected.
+    `step_s` is a full-size step's: the steps left count as their tokens in full batches (batch warmup's are less)."""
     train = run.train
     evals = occasions(train.eval_interval, from_step, run.total_steps) if train.eval_interval else 0
     checkpoints = occasions(train.checkpoint_interval, from_step, run.total_steps)
-    return {"setup": setup_s, "train": max(0, run.total_steps - from_step) * step_s,
+    full_steps_left = max(0, run.total_tokens - train.tokens_before(from_step)) / train.global_batch_tokens
+    return {"setup": setup_s, "train": full_steps_left * step_s,
             "eval": evals * (eval_s or 0.0), "checkpoint": checkpoints * (checkpoint_s or 0.0)}
 
 

@@ -175,4 +175,4 @@ def _skip_data(s: Session, loader_step: int) -> int:
     batches; returns the samples passed over (the same global count on every rank)."""
     before = s.loader.step
     s.loader.load_state_dict({**s.loader.state_dict(), "step": loader_step, "micro_step": 0})
-    return (loader_step - before) * s.loader.samples_per_step
+    return s.loader.first_sample_of(loader_step) - s.loader.first_sample_of(before)

@@ -11,7 +11,7 @@ from nanopt.config import TrainConfig
 from nanopt.config.mixture import wsd_decay_start
 
 
-def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
+def lr_at(step: float, total_steps: float, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step `step` (0-based) of `total_steps`.
 
     warmup: linear from peak/warmup_steps up to the peak over `warmup_steps` steps (never 0, so step 0 learns);
@@ -21,8 +21,8 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     """
     peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, total_steps)
-    if step < warmup:
-        return peak * (step + 1) / warmup
+    if step < warmup:  # min: a fractional step (batch warmup, scheduled_lr) may end past the warmup
+        return peak * min(1.0, (step + 1) / warmup)
     if cfg.lr_schedule == "constant":
         return peak
     last = max(total_steps - 1, 1)
@@ -34,6 +34,17 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
         return peak
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
     return peak + (floor - peak) * progress
+
+
+def scheduled_lr(step: int, total_steps: int, cfg: TrainConfig) -> float:
+    """lr_at for optimizer step `step`; under batch warmup (train.json batch_warmup_tokens) the schedule follows
+    tokens instead, counted in full batches (global_batch_tokens): a step ending after T tokens is step T / full - 1
+    of total tokens / full, so warmup_steps, the cosine and WSD's decay span the same tokens as without the ramp, a
+    short step of the ramp moves the schedule on by its tokens only, and the last step still ends at the floor."""
+    if cfg.batch_ramp is None:
+        return lr_at(step, total_steps, cfg)
+    full = cfg.global_batch_tokens
+    return lr_at(cfg.tokens_before(step + 1) / full - 1, cfg.tokens_before(total_steps) / full, cfg)
 
 
 def recovery_lr_multiplier(step: int, ramp_start: int, factor: float, ramp_steps: int) -> float:

@@ -116,8 +116,9 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     # Before the model, so a split without one whole sequence (or with a bad token id in the first step) fails
     # before any costly work. The loader draws nothing from the RNGs seeded below.
     loader_type = MixtureLoader if isinstance(dataset, MixtureData) else TrainLoader
+    ramp = {"batch_ramp": run.train.batch_ramp} if run.train.batch_ramp else {}  # a mixture refuses one
     loader = loader_type(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size,
-                         run.train.seed)
+                         run.train.seed, **ramp)
     if rt.device.type == "cuda":
         # The next micro-batch is read into pinned memory in a background thread while this one trains, so its
         # copy to the GPU is a non-blocking DMA; on the CPU there is no device to overlap with. Set here, once, so

@@ -15,7 +15,7 @@ from nanopt.runtime import all_reduce_sum_
 from nanopt.shown import shell_word
 from nanopt.train.optim import optimizers_of, set_lr
 from nanopt.train.scaling import scaled, unscale, update
-from nanopt.train.schedule import lr_at, recovery_lr_multiplier
+from nanopt.train.schedule import recovery_lr_multiplier, scheduled_lr
 from nanopt.train.session import Session
 
 
@@ -29,24 +29,26 @@ def step(s: Session) -> tuple[float, float, bool]:
     st, cfg = s.state, s.run.train
     probe = s.health_probe if s.health_probe is not None and logged(s, st.step + 1) else None
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
-    set_lr(s.optimizer, lr_at(st.step, s.total_steps, cfg) * ramp)
+    set_lr(s.optimizer, scheduled_lr(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
     scaler = s.train_state.scaler  # fp16 only (nanopt.train.scaling)
-    for micro in range(s.accum):
+    # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data)
+    accum, tokens = s.loader.accum_at(s.loader.step), s.loader.samples_in(s.loader.step) * s.run.seq_len
+    for micro in range(accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
         targets = targets.to(s.rt.device, non_blocking=True)
-        with s.prepared.gradient_sync(micro == s.accum - 1):
+        with s.prepared.gradient_sync(micro == accum - 1):
             with s.rt.autocast():
                 loss = s.prepared.model(inputs, targets)
-            scaled(scaler, loss / s.accum).backward()
+            scaled(scaler, loss / accum).backward()
         loss_sum += loss.detach().float()
     unscale(scaler, optimizers_of(s.optimizer))
     if probe is not None:
         probe.gradients()  # unscaled (fp16), before clipping, as the global norm is
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     norm = _local(torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True))
-    mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum, norm)
+    mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum / accum, norm)
     if any_bad:
         _skip_nonfinite(s, mean_loss, norm_value)
     else:
@@ -61,7 +63,7 @@ def step(s: Session) -> tuple[float, float, bool]:
     if probe is not None:
         s.health_signals = probe.read()
     st.step += 1
-    st.tokens += cfg.global_batch_tokens
+    st.tokens += tokens
     st.last_loss = mean_loss
     return mean_loss, norm_value, any_stop
 
@@ -71,7 +73,7 @@ def logged(s: Session, step: int) -> bool:
     return step % s.run.train.log_interval == 0 or step == s.total_steps
 
 
-def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float]:
+def _agree(s: Session, loss_mean: torch.Tensor, norm: torch.Tensor) -> tuple[float, bool, bool, float]:
     """(mean loss over ranks, did any rank see a non-finite value, was any rank asked to stop, this rank's grad
     norm): one all-reduce and the step's one host sync, so every rank takes the same branch.
 
@@ -80,9 +82,9 @@ def _agree(s: Session, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[floa
     judged that step's numbers. The stop flag is filled on the device from a Python number (torch.full: a kernel,
     no host-to-device copy that would wait for the backward); the norm rides along in the same read.
     """
-    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(norm)).float()
+    bad = (~torch.isfinite(loss_mean) | ~torch.isfinite(norm)).float()
     stop = torch.full((), float(s.preempt_requested), device=s.rt.device)
-    reduced = all_reduce_sum_(s.rt, torch.stack([loss_sum / s.accum, bad, stop]).double())
+    reduced = all_reduce_sum_(s.rt, torch.stack([loss_mean, bad, stop]).double())
     # The norm is on the CPU when FSDP2 offloads the gradients there ("fsdp_offload").
     norm = norm.detach().double().reshape(1).to(reduced.device)
     loss, any_bad, any_stop, norm_value = torch.cat([reduced, norm]).tolist()

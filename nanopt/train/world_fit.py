@@ -23,12 +23,15 @@ def micro_batch_for_world(run: RunConfig, world_size: int, resume: str) -> tuple
         run.grad_accum_steps(world_size)
         return run, None
     except ConfigError:
-        sequences, remainder = divmod(run.train.global_batch_tokens, run.seq_len * world_size)
+        # the smallest batch of the run: under batch warmup its first, which every later one is a multiple of
+        smallest = run.train.batch_warmup_start_tokens or run.train.global_batch_tokens
+        sequences, remainder = divmod(smallest, run.seq_len * world_size)
         if resume == "none" or remainder or sequences < 1 or not _has_checkpoints(run):
             raise
     configured = run.train.micro_batch_size
     fitted = max(size for size in range(1, min(configured, sequences) + 1) if sequences % size == 0)
-    note = (f"micro_batch_size {configured} does not divide the global batch of {run.train.global_batch_tokens:,} "
+    batch = "global batch" if run.train.batch_ramp is None else "batch warmup's first batch"
+    note = (f"micro_batch_size {configured} does not divide the {batch} of {smallest:,} "
             f"tokens on {world_size} rank(s): this session uses {fitted} (accumulation {sequences // fitted}), the "
             "largest that does; train.json is unchanged")
     return dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=fitted)), note

@@ -108,9 +108,10 @@ def _row_micro_batch(run: RunConfig, gpus: int) -> tuple[int, str | None]:
     """train.json's micro-batch, or on this many GPUs the largest below it that keeps gradient accumulation whole,
     with a note when it changed or when the global batch does not split over this many GPUs at all."""
     wanted = run.train.micro_batch_size
-    sequences, remainder = divmod(run.train.global_batch_tokens, run.seq_len * gpus)
+    key = "global_batch_tokens" if run.train.batch_ramp is None else "batch_warmup_start_tokens"  # the smallest
+    sequences, remainder = divmod(getattr(run.train, key), run.seq_len * gpus)
     if remainder or sequences == 0:
-        return wanted, (f"global_batch_tokens {run.train.global_batch_tokens} does not split into whole sequences "
+        return wanted, (f"{key} {getattr(run.train, key)} does not split into whole sequences "
                         f"of {run.seq_len} over {gpus} GPUs: choose a multiple of {run.seq_len * gpus}")
     size = dividing_micro_batch(run, gpus, wanted)
     if size == wanted:

@@ -216,10 +216,13 @@ def _memory_section(run: RunConfig | None, opts: EstimateOptions, target: Target
 
 def _batch_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     if run is None:
-        return {"optimizer_steps": None, "grad_accum": None, "global_batch_tokens": None}
+        return {"optimizer_steps": None, "grad_accum": None, "global_batch_tokens": None, "batch_warmup": None}
     try:
         accum: Any = run.grad_accum_steps(opts.num_gpus)
     except ConfigError as exc:  # an estimate still helps; the error text says which numbers would work
         accum = f"inexact: {exc.one_line()}"
-    return {"optimizer_steps": run.total_steps, "grad_accum": accum,
+    ramp = run.train.batch_ramp
+    warmup = None if ramp is None else {"start_tokens": ramp.start_tokens, "tokens": ramp.levels[-1].tokens_before,
+                                        "steps": ramp.ramp_steps}
+    return {"optimizer_steps": run.total_steps, "grad_accum": accum, "batch_warmup": warmup,
             "global_batch_tokens": run.train.global_batch_tokens, "micro_batch_size": run.train.micro_batch_size}

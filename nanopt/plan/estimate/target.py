@@ -106,8 +106,10 @@ def gib(n: float) -> str:
 
 def dividing_micro_batch(run: RunConfig, world: int, limit: int) -> int:
     """The largest micro-batch up to `limit` that divides the global batch exactly over `world` ranks (gradient
-    accumulation must be whole); `limit` itself when the global batch is not a whole number of sequences."""
-    sequences, remainder = divmod(run.train.global_batch_tokens, run.seq_len * world)
+    accumulation must be whole; under batch warmup, its first and smallest batch); `limit` itself when the global
+    batch is not a whole number of sequences."""
+    smallest = run.train.batch_warmup_start_tokens or run.train.global_batch_tokens
+    sequences, remainder = divmod(smallest, run.seq_len * world)
     if remainder or sequences == 0:
         return max(1, limit)
     return max(size for size in range(1, max(1, min(limit, sequences)) + 1) if sequences % size == 0)

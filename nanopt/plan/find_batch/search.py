@@ -148,13 +148,16 @@ def usable_micro_batches(train: TrainConfig, seq_len: int, world_size: int, maxi
     """The micro-batch sizes up to `maximum` the run can use: those that divide its global batch exactly (a whole
     accumulation), ascending. ConfigError when none can, because the global batch is not a whole number of
     sequences per rank: then no search could find one."""
-    sequences, remainder = divmod(train.global_batch_tokens, seq_len * world_size)
+    # Under batch warmup its first, smallest batch, which every later one is a multiple of.
+    key = "global_batch_tokens" if train.batch_ramp is None else "batch_warmup_start_tokens"
+    batch = getattr(train, key)
+    sequences, remainder = divmod(batch, seq_len * world_size)
     if remainder or sequences < 1:
         multiple = seq_len * world_size
-        raise ConfigError(f"train.json: global_batch_tokens {train.global_batch_tokens:,} is not a multiple of "
+        raise ConfigError(f"train.json: {key} {batch:,} is not a multiple of "
                           f"seq_len x world size = {seq_len} x {world_size}: no micro-batch divides it",
-                          f"set global_batch_tokens to a multiple of {multiple:,}, e.g. "
-                          f"{max(1, round(train.global_batch_tokens / multiple)) * multiple:,}")
+                          f"set {key} to a multiple of {multiple:,}, e.g. "
+                          f"{max(1, round(batch / multiple)) * multiple:,}")
     return [n for n in range(1, min(sequences, maximum) + 1) if sequences % n == 0]
 
 
@@ -171,15 +174,19 @@ def agree(rt: Any, fits_local: bool) -> bool:
 
 
 def grad_accum_for(train: TrainConfig, micro_batch_size: int, seq_len: int, world_size: int) -> int | None:
-    """Accumulation steps the configured global batch needs at this micro-batch; None if it does not divide."""
-    accum, remainder = divmod(train.global_batch_tokens, micro_batch_size * seq_len * world_size)
-    return accum if accum >= 1 and remainder == 0 else None
+    """Accumulation steps the configured global batch needs at this micro-batch; None if it does not divide (or,
+    under batch warmup, does not divide its first batch)."""
+    per_step = micro_batch_size * seq_len * world_size
+    accum, remainder = divmod(train.global_batch_tokens, per_step)
+    whole_ramp = train.batch_ramp is None or train.batch_warmup_start_tokens % per_step == 0
+    return accum if accum >= 1 and remainder == 0 and whole_ramp else None
 
 
 def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConfig:
     """The run with `micro_batch_size` and a global batch of exactly one micro-batch per rank (accumulation 1)."""
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
-                                global_batch_tokens=micro_batch_size * run.seq_len * world_size)
+                                global_batch_tokens=micro_batch_size * run.seq_len * world_size,
+                                batch_warmup_tokens=None, batch_warmup_start_tokens=None)  # same micro-batch
     return dataclasses.replace(run, train=train)
 
 
