@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
+from nanopt.train.fp8 import apply_fp8
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -79,6 +80,8 @@ def _checkpointed_forward(forward, *args, **kwargs):
 
 def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     model.to(rt.device)
+    # FP8 layers before FSDP2 (its FP8 all-gather) and compile; checked at session start (nanopt.train.fp8).
+    apply_fp8(model, cfg.fp8, rt.world_size if cfg.parallelism == "fsdp" else 1)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     compiled = resolve_compile(cfg.compile, rt.device)
