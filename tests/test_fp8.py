@@ -87,6 +87,32 @@ def test_fp8_head_takes_one_chunk_and_keeps_padded_rows_out():
     assert abs(float(loss - plain[0])) <= LOSS_RTOL * float(plain[0])
 
 
+def cpu_scaled_mm() -> bool:
+    """Whether this torch runs torch._scaled_mm on the CPU (newer builds do; the GPU test covers the rest)."""
+    ones = torch.ones(16, 16).to(FORWARD_DTYPE)
+    try:
+        torch._scaled_mm(ones, ones.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                         out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm")
+def test_scaled_mm_head_equals_its_emulation_and_traces_whole():
+    problem = head_problem(rows=256, width=64, vocab=512, classes=500)
+    emulated = loss_and_grads(*problem, torch.bfloat16, "emulate", 128, 500)
+    real = loss_and_grads(*problem, torch.bfloat16, "scaled_mm", 128, 500)
+    # One graph, no break: the scales are tensors (no .item()), and the FP8 accumulation is one opaque op per chunk.
+    compiled = torch.compile(chunked_cross_entropy, fullgraph=True, backend="aot_eager")
+    hidden, weight = (t.bfloat16().requires_grad_() for t in problem[:2])
+    compiled(hidden, weight, problem[2], 128, 500, "scaled_mm").backward()
+    for got in (real[1:], (hidden.grad.float(), weight.grad.float())):
+        for a, b in zip(got, emulated[1:], strict=True):
+            assert relative_error(a, b) < 1e-3  # the same FP8 values; only the order of fp32 sums differs
+    assert float(real[0]) == pytest.approx(float(emulated[0]), rel=1e-5)
+
+
 def tiny_model(**overrides) -> ModelConfig:
     fields = {"architecture": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, **overrides}
