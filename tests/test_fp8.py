@@ -5,22 +5,23 @@ the one-line refusals where FP8 cannot run. The real torch._scaled_mm path runs 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from clihelp import REPO, assert_user_error, run_cli
+from trainhelp import HIDE_CUDA, make_run
 
-from nanopt.config import ModelConfig, RunConfig, TrainConfig
+from nanopt.config import ModelConfig, RunConfig, TrainConfig, load_run
 from nanopt.errors import ConfigError
 from nanopt.model.fp8 import FORWARD_DTYPE, GRADIENT_DTYPE, scaled_matmul, to_fp8
 from nanopt.model.loss import chunked_cross_entropy
 from nanopt.model.transformer import Transformer
+from nanopt.plan.estimate import EstimateOptions, estimate
+from nanopt.plan.preflight_record import changed_setting, fingerprint
 from nanopt.train.fp8 import apply_fp8, check_fp8, converted_layers, fsdp_float8_all_gather
-from tests.clihelp import assert_user_error, run_cli
-from tests.trainhelp import HIDE_CUDA, make_run
 
-REPO = Path(__file__).resolve().parents[1]
 # Stated tolerances of the FP8 head against bf16 (both measured from the fp32 loss on the same problem): e4m3 keeps
 # 3 mantissa bits, e5m2 2, so each FP8 element is off by up to 6% / 12%; summed over the GEMMs' inner dimension the
 # errors average down to ~3% of a gradient's norm, and to ~0.05% of the loss.
@@ -245,6 +246,21 @@ def test_train_on_the_cpu_with_fp8_is_one_line_and_writes_nothing(tmp_path, tiny
     assert sorted(p.name for p in run.iterdir()) == before
     bad = make_run(tmp_path, tiny_dataset, name="bad", fp8="fast")
     assert_user_error(run_cli("train", bad, env=HIDE_CUDA), "fp8")
+
+
+def test_estimate_labels_the_bf16_peak_and_assumes_no_fp8_speedup(tmp_path):
+    shutil.copytree(REPO / "runs" / "gpt2-small", tmp_path / "run")
+    plain, head = load_run(tmp_path / "run"), load_run(tmp_path / "run", {"fp8": "head"})
+    options = EstimateOptions(gpu="h100-sxm", num_gpus=8, mfu=0.4)
+    before, after = estimate(plain, options), estimate(head, options)
+    assert after["train_seconds"] == before["train_seconds"]
+    assert after["gpu"]["peak_tflops"] == before["gpu"]["peak_tflops"] == 989.4
+    assert "BF16 peak with fp8 \"head\"" in after["gpu"]["peak_source"]
+    assert "fp8" not in before["gpu"]["peak_source"]
+    # A preflight measured without FP8 (or before the key existed) does not stand for an FP8 run's speed.
+    older = {key: value for key, value in fingerprint(plain, 1).items() if key != "fp8"}
+    assert changed_setting(older, fingerprint(plain, 1)) is None
+    assert changed_setting(older, fingerprint(head, 1)) == 'fp8: "off" when measured, "head" now'
 
 
 def fp8_gpu() -> bool:
