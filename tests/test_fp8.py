@@ -131,12 +131,13 @@ def test_model_head_in_fp8_trains_close_and_evaluates_exactly_as_bf16():
     model.head_fp8 = "emulate"
     fp8_loss = model(tokens, tokens)
     fp8_loss.backward()
+    fp8_loss, plain_loss = fp8_loss.detach(), plain_loss.detach()
     assert abs(float(fp8_loss - plain_loss)) <= LOSS_RTOL * float(plain_loss)
     assert float(fp8_loss) != float(plain_loss)  # the head did run in FP8
     for name, parameter in model.named_parameters():  # the head's FP8 error reaches every layer's gradient
         assert relative_error(parameter.grad, plain_grads[name]) < GRAD_RTOL, name
     with torch.no_grad():  # evaluation: the head in the model's dtype, FP8 or not
-        assert torch.equal(model(tokens, tokens), plain_loss.detach())
+        assert torch.equal(model(tokens, tokens), plain_loss)
 
 
 # Which block layers "all" converts: dimensions multiples of 16 and past torchao's measured break-even.
@@ -244,8 +245,12 @@ def test_train_on_the_cpu_with_fp8_is_one_line_and_writes_nothing(tmp_path, tiny
     before = sorted(p.name for p in run.iterdir())
     assert_user_error(run_cli("train", run, env=HIDE_CUDA), "key 'fp8'", "needs a CUDA GPU with FP8")
     assert sorted(p.name for p in run.iterdir()) == before
-    bad = make_run(tmp_path, tiny_dataset, name="bad", fp8="fast")
-    assert_user_error(run_cli("train", bad, env=HIDE_CUDA), "fp8")
+
+
+def test_an_unknown_fp8_mode_is_named(tmp_path):
+    shutil.copytree(REPO / "runs" / "demo", tmp_path / "run")
+    with pytest.raises(ConfigError, match="'fp8'.*\"off\" / \"head\" / \"all\""):
+        load_run(tmp_path / "run", {"fp8": "fast"})
 
 
 def test_estimate_labels_the_bf16_peak_and_assumes_no_fp8_speedup(tmp_path):
@@ -255,7 +260,7 @@ def test_estimate_labels_the_bf16_peak_and_assumes_no_fp8_speedup(tmp_path):
     before, after = estimate(plain, options), estimate(head, options)
     assert after["train_seconds"] == before["train_seconds"]
     assert after["gpu"]["peak_tflops"] == before["gpu"]["peak_tflops"] == 989.4
-    assert "BF16 peak with fp8 \"head\"" in after["gpu"]["peak_source"]
+    assert 'fp8 "head": MFU against the BF16 peak' in after["gpu"]["peak_source"]
     assert "fp8" not in before["gpu"]["peak_source"]
     # A preflight measured without FP8 (or before the key existed) does not stand for an FP8 run's speed.
     older = {key: value for key, value in fingerprint(plain, 1).items() if key != "fp8"}

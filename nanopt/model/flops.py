@@ -120,6 +120,6 @@ def mfu_note(mfu_value: float | None, peak_flops_per_gpu: float | None) -> str |
 
 def fp8_peak_label(peak_source: str, fp8: str) -> str:
     """With train.json's fp8 on, MFU is still the model's FLOPs against the dense BF16 peak (not the FP8 peak, twice
-    as high), and the estimate's time assumes no FP8 speedup (a preflight of the FP8 run measures it): the label says
-    so, so the figure compares with a bf16 run's and is never read as FP8 tensor-core use."""
-    return peak_source if fp8 == "off" else f"{peak_source}, BF16 peak with fp8 \"{fp8}\" (no FP8 speedup assumed)"
+    as high), in training and in the estimate, whose time therefore assumes no FP8 speedup (a preflight of the FP8
+    run measures it): the label says so, so the figure compares with a bf16 run's."""
+    return peak_source if fp8 == "off" else f"{peak_source}; fp8 \"{fp8}\": MFU against the BF16 peak"
