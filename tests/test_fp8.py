@@ -285,3 +285,28 @@ def test_scaled_mm_head_matches_its_emulation_and_compiles():
         for a, b in zip(got[1:], emulated[1:], strict=True):
             assert relative_error(a, b) < 1e-2  # the same FP8 values; only the order of fp32 sums differs
     assert abs(float(real[0] - emulated[0])) < 1e-3 * float(emulated[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_fp8_all_trains_close_to_bf16_on_the_gpu():
+    pytest.importorskip("torchao.float8")
+    config = tiny_model(hidden_size=1024, intermediate_size=4160, num_attention_heads=8, num_hidden_layers=1,
+                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    plain = Transformer(config).cuda()
+    converted = Transformer(config).cuda()
+    converted.load_state_dict(plain.state_dict())
+    assert apply_fp8(converted, "all")  # eager here: the session step measures the compiled speed
+    tokens = torch.randint(0, 256, (4, 256), device="cuda")
+    losses = []
+    for model in (plain, converted):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens, tokens)
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[1] - losses[0]) <= LOSS_RTOL * losses[0]
+    reference = dict(plain.named_parameters())
+    for name, parameter in converted.named_parameters():
+        # Every layer sees the converted layers' FP8 error in its gradient: a few times the head's alone.
+        assert relative_error(parameter.grad, reference[name].grad) < 3 * GRAD_RTOL, name
