@@ -232,11 +232,15 @@ def test_refusals(tmp_path, fake_gpu, monkeypatch):
     assert "pip install 'nanopt[fp8]'" in refused.value.hint
 
 
-def test_old_torchao_is_refused(tmp_path, fake_gpu, monkeypatch):
+def test_old_torchao_or_torch_is_refused(tmp_path, fake_gpu, monkeypatch):
     torchao = pytest.importorskip("torchao")
     fake_gpu((9, 0))
     monkeypatch.setattr(torchao, "__version__", "0.9.0")
     with pytest.raises(ConfigError, match="needs torchao 0.18 or newer; this is 0.9.0"):
+        check_fp8(run_config(tmp_path, fp8="all"), torch.device("cuda"), "bf16", True)
+    monkeypatch.setattr(torchao, "__version__", "0.18.0")
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    with pytest.raises(ConfigError, match="needs torch 2.11 or newer for torchao's float8 training; this is 2.10.0"):
         check_fp8(run_config(tmp_path, fp8="all"), torch.device("cuda"), "bf16", True)
 
 

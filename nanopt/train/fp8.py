@@ -11,7 +11,8 @@ compute in bf16, as `nanopt eval`, `generate` and `export` do (they build a plai
 
 Refused, in one line: on the CPU (FP8 there would only be emulated, slower than fp32: the emulation serves the
 tests), on GPUs without FP8 tensor cores (before compute capability 8.9: Ada, Hopper), outside bf16, "all" without
-torch.compile (unfused casts cost more than FP8 saves) or without torchao 0.18+ (an install hint).
+torch.compile (unfused casts cost more than FP8 saves), without torchao 0.18+ (an install hint) or on torch
+before 2.11 (torchao 0.18's floor).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from nanopt.model.fp8 import SCALED_MM_ALIGN, head_fits_scaled_mm
 
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's FP8 GEMMs: Ada (8.9), Hopper (9.0) and newer
 TORCHAO_MINIMUM = (0, 18)  # the version this code is written and tested against
+TORCH_FOR_TORCHAO = (2, 11)  # torchao 0.18's own floor (older torch: it skips its kernels, and its ops branch on it)
 TORCHAO_HINT = "pip install 'nanopt[fp8]' (torchao 0.18 or newer), or set \"fp8\": \"head\" (torch alone)"
 # torchao's auto filter for tensorwise scaling, from its H100 benchmarks: a layer with K <= 4096 and N <= 1024 runs
 # slower in FP8 than in bf16 (https://github.com/pytorch/ao/tree/main/torchao/float8#tensorwise-scaling).
@@ -72,6 +74,10 @@ def _check_torchao(where: str) -> None:
     if version < TORCHAO_MINIMUM:
         raise ConfigError(f"{where} needs torchao {'.'.join(map(str, TORCHAO_MINIMUM))} or newer; this is "
                           f"{torchao.__version__}", TORCHAO_HINT)
+    if _version_tuple(torch.__version__) < TORCH_FOR_TORCHAO:
+        raise ConfigError(f"{where} needs torch {'.'.join(map(str, TORCH_FOR_TORCHAO))} or newer for torchao's "
+                          f"float8 training; this is {torch.__version__}",
+                          "upgrade torch (`make install`), or set \"fp8\": \"head\" (any supported torch)")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
