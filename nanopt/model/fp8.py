@@ -60,12 +60,14 @@ class Fp8HeadOperands:
         return scaled_matmul(self.hidden[rows], self.hidden_scale, self.weight.t(), self.weight_scale, out_dtype,
                              self.mode)
 
-    def grad_hidden(self, grad_logits: Tensor, out_dtype: torch.dtype) -> Tensor:
-        grad, grad_scale = to_fp8(grad_logits, GRADIENT_DTYPE)
+    def grad_hidden(self, grad: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
+        """d(hidden) of a chunk from its d(logits) as `to_fp8(d_logits, GRADIENT_DTYPE)` gives it."""
+        grad, grad_scale = grad
         return scaled_matmul(grad, grad_scale, self.weight_by_column, self.weight_scale, out_dtype, self.mode)
 
-    def accumulate_grad_weight(self, accumulator: Tensor, grad_logits: Tensor, rows: slice) -> None:
-        grad, grad_scale = to_fp8(grad_logits, GRADIENT_DTYPE)
+    def accumulate_grad_weight(self, accumulator: Tensor, grad: tuple[Tensor, Tensor], rows: slice) -> None:
+        """accumulator += d(weight) of the chunk `rows`, from its d(logits) in FP8 as for grad_hidden."""
+        grad, grad_scale = grad
         # A = d(logits).T row-major (one copy of the 1-byte chunk), B = hidden chunk column-major (likewise).
         hidden_by_column = self.hidden[rows].t().contiguous().t()
         accumulate_fp8_product(accumulator, grad.t().contiguous(), grad_scale, hidden_by_column, self.hidden_scale,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanopt.model.fp8 import Fp8HeadOperands, HeadMode
+from nanopt.model.fp8 import GRADIENT_DTYPE, Fp8HeadOperands, HeadMode, to_fp8
 from nanopt.model.loss_chunks import loss_chunk_rows
 
 IGNORE_INDEX = -100
@@ -47,13 +47,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = hidden[rows] @ weight.t() if operands is None else operands.logits(rows, hidden.dtype)
             chunk_loss, grad_logits = _chunk_loss_and_grad(logits, targets[rows], classes, hidden.dtype)
             total = total + chunk_loss
+            if operands is not None:  # one e5m2 cast of d(logits) serves both gradients
+                _fp8_chunk_grads(operands, to_fp8(grad_logits, GRADIENT_DTYPE), rows, grad_hidden, grad_weight)
+                continue
             if need_hidden:
-                grad_hidden[rows] = (grad_logits @ weight if operands is None
-                                     else operands.grad_hidden(grad_logits, hidden.dtype))
-            if need_weight and operands is None:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
                 accumulate_head_grad(grad_weight, grad_logits.t(), hidden[rows])
-            elif need_weight:
-                operands.accumulate_grad_weight(grad_weight, grad_logits, rows)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -70,6 +70,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None
         d_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
         return d_hidden, d_weight, None, None, None, None
+
+
+def _fp8_chunk_grads(operands: Fp8HeadOperands, grad: tuple[Tensor, Tensor], rows: slice,
+                     grad_hidden: Tensor | None, grad_weight: Tensor | None) -> None:
+    if grad_hidden is not None:
+        grad_hidden[rows] = operands.grad_hidden(grad, grad_hidden.dtype)
+    if grad_weight is not None:
+        operands.accumulate_grad_weight(grad_weight, grad, rows)
 
 
 def _chunk_loss_and_grad(logits: Tensor, targets: Tensor, classes: int,
