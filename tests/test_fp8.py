@@ -194,6 +194,26 @@ def test_torchao_conversion_keeps_checkpoints_interchangeable():
         assert torch.equal(converted(tokens, tokens), plain(tokens, tokens))
 
 
+def test_fp8_all_gather_weights_reach_checkpoints_as_plain_tensors(tmp_path):
+    pytest.importorskip("torchao.float8")
+    from safetensors.torch import load_file, save_file
+
+    config = tiny_model(hidden_size=1024, intermediate_size=4160, num_attention_heads=8, num_hidden_layers=1)
+    torch.manual_seed(0)
+    plain, converted = Transformer(config), Transformer(config)
+    apply_fp8(converted, "all", fsdp_world_size=2)  # 2 ranks split every converted weight evenly: FP8 all-gather
+    wrapped = converted.get_submodule("layers.0.mlp.up_proj").weight
+    assert type(wrapped) is not torch.nn.Parameter and type(wrapped).__name__ == "WeightWithDynamicFloat8CastTensor"
+    state = converted.state_dict()
+    assert list(state) == list(plain.state_dict())
+    assert all(type(t) is torch.Tensor for t in state.values())
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(loaded["layers.0.mlp.up_proj.weight"], state["layers.0.mlp.up_proj.weight"])
+    converted.load_state_dict(plain.state_dict())  # a plain checkpoint resumes into the wrapped weights
+    assert torch.equal(converted.state_dict()["layers.0.mlp.up_proj.weight"], plain.layers[0].mlp.up_proj.weight)
+
+
 def run_config(tmp_path, fp8="head", **model) -> RunConfig:
     model_cfg = tiny_model(**model)
     train = TrainConfig(data="data", micro_batch_size=2, global_batch_tokens=128, max_steps=1, seq_len=64, fp8=fp8)

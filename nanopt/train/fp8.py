@@ -121,14 +121,37 @@ def apply_fp8(model: torch.nn.Module, mode: str, fsdp_world_size: int = 1) -> li
 
     names = converted_layers(model)
     chosen = set(names)
-    config = Float8LinearConfig(
-        enable_fsdp_float8_all_gather=fsdp_float8_all_gather(model, names, fsdp_world_size))
+    gather_in_fp8 = fsdp_float8_all_gather(model, names, fsdp_world_size)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=gather_in_fp8)
     convert_to_float8_training(model, module_filter_fn=lambda _module, fqn: fqn in chosen, config=config)
+    if gather_in_fp8:
+        model.register_state_dict_post_hook(_plain_weights)
     modules = dict(model.named_modules())
     for name in names:
         layer = modules[name]
         layer.forward = functools.partial(_bf16_without_grad, layer, layer.forward)
     return names
+
+
+def _plain_weights(_module: torch.nn.Module, state: dict[str, Any], _prefix: str, _metadata: Any) -> None:
+    """For FSDP2's FP8 all-gather torchao wraps each converted weight in a tensor subclass that state dicts would
+    carry (safetensors cannot write it, a plain model cannot load it): checkpoints get the fp32 tensor inside."""
+    for key, value in state.items():
+        state[key] = _unwrapped(value)
+
+
+def _unwrapped(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = getattr(local, "_tensor", None)
+        if inner is None or type(local) is torch.Tensor:
+            return value
+        return DTensor.from_local(inner.detach(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    inner = getattr(value, "_tensor", None)
+    return inner.detach() if inner is not None and type(value) is not torch.Tensor else value
 
 
 def _bf16_without_grad(layer: Any, fp8_forward: Any, x: torch.Tensor) -> torch.Tensor:
