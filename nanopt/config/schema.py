@@ -27,6 +27,7 @@ OptimizerName = Literal["adamw", "muon", "adamw8bit"]
 CompileMode = bool | Literal["auto"]
 WandbMode = Literal["online", "offline"]
 InitRule = Literal["normal", "fan_in"]
+Fp8Mode = Literal["off", "head", "all"]
 
 # Every integer in these files fits in 64 bits: torch and numpy hold them as int64, and past that they fail with a
 # traceback (or wrap around) far from the file that caused it.
@@ -181,6 +182,9 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
+    # FP8 matmuls (GPUs with FP8 tensor cores, bf16): "head", the output head in the loss; "all", also the blocks'
+    # larger linear layers through torchao (nanopt.train.fp8). Weights and checkpoints are the same either way.
+    fp8: Fp8Mode = "off"
     activation_checkpointing: ActivationCheckpointing = False
     parallelism: Parallelism = "ddp"
     optimizer: OptimizerName = "adamw"  # muon: Muon on the hidden matrices, AdamW (learning_rate) on the rest

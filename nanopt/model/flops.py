@@ -116,3 +116,10 @@ def mfu(tokens_per_second: float, flops_per_tok: float, num_gpus: int,
 def mfu_note(mfu_value: float | None, peak_flops_per_gpu: float | None) -> str | None:
     """IMPLAUSIBLE_MFU when `mfu` had a peak and still gave no value (it was above 100%); else None."""
     return IMPLAUSIBLE_MFU if mfu_value is None and peak_flops_per_gpu else None
+
+
+def fp8_peak_label(peak_source: str, fp8: str) -> str:
+    """With train.json's fp8 on, MFU is still the model's FLOPs against the dense BF16 peak (not the FP8 peak, twice
+    as high), in training and in the estimate, whose time therefore assumes no FP8 speedup (a preflight of the FP8
+    run measures it): the label says so, so the figure compares with a bf16 run's."""
+    return peak_source if fp8 == "off" else f"{peak_source}; fp8 \"{fp8}\": MFU against the BF16 peak"

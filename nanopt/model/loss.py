@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nanopt.model.fp8 import GRADIENT_DTYPE, Fp8HeadOperands, HeadMode, to_fp8
 from nanopt.model.loss_chunks import loss_chunk_rows
 
 IGNORE_INDEX = -100
@@ -28,18 +29,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (softmax - one_hot), which is immediately multiplied into d(hidden) and accumulated into the fp32 d(weight).
     Backward only scales what forward stored: no [rows, vocab] tensor is kept and nothing is recomputed, so the
     FLOPs equal those of a plain full-logits loss while memory holds one chunk of logits.
+
+    With `fp8` the three GEMMs run in FP8 (nanopt.model.fp8): e4m3 hidden states and weight in the logits, e5m2
+    d(logits) against them in the two gradients; the softmax and the accumulated d(weight) stay fp32.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int, classes: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int, classes: int,
+                fp8: HeadMode | None = None) -> Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = hidden.new_zeros((), dtype=torch.float32)
+        operands = Fp8HeadOperands(hidden, weight, fp8) if fp8 is not None else None
         for begin in range(0, hidden.shape[0], chunk_rows):
             rows = slice(begin, begin + chunk_rows)
-            chunk_loss, grad_logits = _chunk_loss_and_grad(hidden[rows], weight, targets[rows], classes)
+            logits = hidden[rows] @ weight.t() if operands is None else operands.logits(rows, hidden.dtype)
+            chunk_loss, grad_logits = _chunk_loss_and_grad(logits, targets[rows], classes, hidden.dtype)
             total = total + chunk_loss
+            if operands is not None:  # one e5m2 cast of d(logits) serves both gradients
+                _fp8_chunk_grads(operands, to_fp8(grad_logits, GRADIENT_DTYPE), rows, grad_hidden, grad_weight)
+                continue
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
@@ -59,13 +69,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         d_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None
         d_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
-        return d_hidden, d_weight, None, None, None
+        return d_hidden, d_weight, None, None, None, None
 
 
-def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, classes: int) -> tuple[Tensor, Tensor]:
-    """Summed loss of one chunk and d(summed loss)/d(logits) in the matmul dtype; ignored rows contribute 0, and
-    so do the columns from `classes` on (padded vocabulary rows: their -inf logits have probability 0)."""
-    logits = (hidden @ weight.t()).float()
+def _fp8_chunk_grads(operands: Fp8HeadOperands, grad: tuple[Tensor, Tensor], rows: slice,
+                     grad_hidden: Tensor | None, grad_weight: Tensor | None) -> None:
+    if grad_hidden is not None:
+        grad_hidden[rows] = operands.grad_hidden(grad, grad_hidden.dtype)
+    if grad_weight is not None:
+        operands.accumulate_grad_weight(grad_weight, grad, rows)
+
+
+def _chunk_loss_and_grad(logits: Tensor, targets: Tensor, classes: int,
+                         grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Summed loss of one chunk of logits and d(summed loss)/d(logits) in grad_dtype (the matmul dtype); ignored rows
+    contribute 0, and so do the columns from `classes` on (padded vocabulary rows: their -inf logits have
+    probability 0)."""
+    logits = logits.float()
     if classes < logits.shape[1]:
         logits[:, classes:] = float("-inf")
     valid = targets != IGNORE_INDEX
@@ -79,13 +99,13 @@ def _chunk_loss_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, classe
         is_target = torch.arange(logits.shape[1], device=logits.device) == safe_targets
         probabilities = (logits - log_normalizer).exp()
         grad = torch.where(is_target, probabilities - 1.0, probabilities) * valid.unsqueeze(1)
-        return loss, grad.to(hidden.dtype)
+        return loss, grad.to(grad_dtype)
     # Eager runs op by op: in place on the logits' memory, so one fp32 chunk buffer is live, and the one-hot
     # subtraction touches one element per row.
     probabilities = logits.sub_(log_normalizer).exp_()
     probabilities.scatter_add_(1, safe_targets, -torch.ones_like(target_logits))
     probabilities.mul_(valid.unsqueeze(1))
-    return loss, probabilities.to(hidden.dtype)
+    return loss, probabilities.to(grad_dtype)
 
 
 @torch.library.custom_op("nanopt::accumulate_head_grad", mutates_args=("accumulator",))
@@ -126,7 +146,7 @@ def _compute_dtype(tensor: Tensor) -> torch.dtype:
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int | None = None,
-                          classes: int | None = None) -> Tensor:
+                          classes: int | None = None, fp8: HeadMode | None = None) -> Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against targets, equal to F.cross_entropy on the full logits.
 
     hidden [N, C], weight [V, C], targets [N] with -100 ignored. `classes` (default V): only the first `classes`
@@ -135,18 +155,20 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk
     nanopt.model.loss_chunks.loss_chunk_rows), so peak memory holds one chunk of fp32 logits instead of N x V; with
     autograd the gradients are formed in the same pass (see _LinearCrossEntropy). One chunk (small logits) is the
     plain full-logits loss, left to autograd. Under autocast the matmuls run in the autocast dtype and the softmax
-    in fp32. The loop bounds are shapes, so torch.compile sees static control flow.
+    in fp32. The loop bounds are shapes, so torch.compile sees static control flow. `fp8` (training only): the
+    head's GEMMs in FP8, by torch._scaled_mm or its fp32 emulation (nanopt.model.fp8), even for one chunk;
+    evaluation (no gradients) keeps the autocast dtype.
     """
     rows = hidden.shape[0]
     classes = weight.shape[0] if classes is None else classes
     if chunk_rows is None:
         chunk_rows = loss_chunk_rows(rows, weight.shape[0])
     differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if differentiable and chunk_rows < rows:
+    if differentiable and (chunk_rows < rows or fp8 is not None):
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows,
-                                             classes)
+                                             classes, fp8)
     else:  # evaluation, or logits small enough to keep whole: autograd differentiates F.cross_entropy
         total = hidden.new_zeros((), dtype=torch.float32)
         for begin in range(0, rows, chunk_rows):

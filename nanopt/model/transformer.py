@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.model.documents import compute_dtype, document_mask, document_positions
+from nanopt.model.fp8 import HeadMode
 from nanopt.model.loss import chunked_cross_entropy
 
 
@@ -289,6 +290,9 @@ class Transformer(nn.Module):
         # Rows per loss chunk; None sizes them per micro-batch (nanopt.model.loss_chunks). Tests set a small number
         # to exercise chunking on tiny shapes.
         self.loss_chunk_rows: int | None = None
+        # The output head's training GEMMs in FP8 (nanopt.model.fp8): None (the autocast dtype), "scaled_mm" (set by
+        # nanopt.train.fp8 on a GPU with FP8), or "emulate" (tests). No parameter or state-dict key changes.
+        self.head_fp8: HeadMode | None = None
         self.init_weights()
 
     @torch.no_grad()
@@ -362,7 +366,7 @@ class Transformer(nn.Module):
             logits = self.lm_head(x)
             return logits if self.token_rows == self.cfg.vocab_size else logits[..., :self.token_rows]
         return chunked_cross_entropy(x.reshape(batch * seq, -1), self.lm_head.weight, targets.reshape(-1),
-                                     self.loss_chunk_rows, self.token_rows)
+                                     self.loss_chunk_rows, self.token_rows, self.head_fp8)
 
     def _check_lengths(self, batch: int, seq: int, start: int, kv_cache: KVCache | None) -> None:
         # Shapes and the cache length are Python ints: these checks cost no device sync.

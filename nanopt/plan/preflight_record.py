@@ -42,8 +42,8 @@ preflight.json (`version` 1), one JSON object:
     checks, ok, failed         loss_falls, memory_flat, loader_wait_small, each {ok, detail}; whether all passed;
                                the names of those that did not
     fingerprint                the settings that decide speed: model (model.json), seq_len, micro_batch_size,
-                               global_batch_tokens, precision, tf32, compile, activation_checkpointing, parallelism
-                               (as train.json gives them), world_size. A run whose settings differ makes the file
+                               global_batch_tokens, precision, tf32, compile, activation_checkpointing, parallelism,
+                               fp8 (as train.json gives them), world_size. A run whose settings differ makes the file
                                stale: `nanopt estimate` then does not use it and says which setting changed.
 """
 
@@ -64,9 +64,9 @@ FORMAT_VERSION = 1
 
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
 SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
-                  "activation_checkpointing", "parallelism")
+                  "activation_checkpointing", "parallelism", "fp8")
 # What a fingerprint written before a setting existed meant by leaving it out.
-_BEFORE_THE_KEY = {"tf32": True}
+_BEFORE_THE_KEY = {"tf32": True, "fp8": "off"}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
     settings = {"model": run.model.to_dict(), "seq_len": run.seq_len, "micro_batch_size": train.micro_batch_size,
                 "global_batch_tokens": train.global_batch_tokens, "precision": train.precision, "tf32": train.tf32,
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
-                "parallelism": train.parallelism, "world_size": world_size}
+                "parallelism": train.parallelism, "fp8": train.fp8, "world_size": world_size}
     return json.loads(json.dumps(settings))
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
+from nanopt.train.fp8 import apply_fp8
 from nanopt.train.lowbit import plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 from nanopt.train.recompute import apply_activation_checkpointing
@@ -78,6 +79,9 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
 
 def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     model.to(rt.device)
+    # FP8 layers before FSDP2 (its FP8 all-gather) and compile; checked at session start (nanopt.train.fp8). The FP8
+    # all-gather only where FSDP2 keeps the weights on the GPU (fsdp, zero2); offload's gather stays bf16 (untested).
+    apply_fp8(model, cfg.fp8, rt.world_size if cfg.parallelism in ("fsdp", "zero2") else 1)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     compiled = resolve_compile(cfg.compile, rt.device)
     if cfg.parallelism in FSDP2_CHOICES and rt.distributed:

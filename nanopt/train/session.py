@@ -11,14 +11,15 @@ import torch
 
 from nanopt.config import RunConfig
 from nanopt.errors import ConfigError
-from nanopt.model.flops import count_params, flops_per_token
+from nanopt.model.flops import count_params, flops_per_token, fp8_peak_label
 from nanopt.model.memory import estimate_memory
 from nanopt.rundir import RunDir
 from nanopt.runtime import MemoryProbe, Runtime, check_memory, device_peak_flops, device_price, seed_everything
 from nanopt.train.events import Silent, TrainObserver
+from nanopt.train.fp8 import check_fp8
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
-from nanopt.train.parallel import Prepared, prepare, shards_optimizer_only
+from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.scaling import new_scaler
 from nanopt.train.sinks import build_sinks, check_sink_packages
@@ -108,6 +109,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     run, lowered = micro_batch_for_world(run, rt.world_size, opts.resume)
     accum = run.grad_accum_steps(rt.world_size)
     check_model_fits(run, rt)
+    check_fp8(run, rt.device, rt.precision, resolve_compile(run.train.compile, rt.device))
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
@@ -129,6 +131,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     prepared = prepare(Transformer(run.model, tokenizer_vocab_size=dataset.id_limit), rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device, shards_optimizer_only(run.train, rt))
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
+    source = fp8_peak_label(source, run.train.fp8)
     price, price_source = device_price(rt.device, run.train.price_per_hour)
     observer = observer if observer is not None and rt.is_main else Silent()
     if lowered:

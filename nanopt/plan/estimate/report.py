@@ -34,6 +34,8 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     opts, measured, source = _throughput_source(run, opts)
     precision = run_precision(run, is_cpu(opts.gpu), has_bf16(opts.gpu))
     target = target_for(opts, precision)
+    if run is not None:
+        target = replace(target, peak_source=flops.fp8_peak_label(target.peak_source, run.train.fp8))
     report: dict[str, Any] = {"run": str(run.run_dir) if run else None}
     report.update(_model_section(run, opts))
     report.update(_budget_section(run, opts, report))
