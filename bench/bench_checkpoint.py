@@ -53,11 +53,10 @@ import torch.multiprocessing as mp
 from nanopt.config import ModelConfig, load_run
 from nanopt.data.heap import fix_mmap_threshold
 from nanopt.data.pipeline import build_dataset
+from nanopt.devices import _reset_rss_peak, _rss_bytes
 from nanopt.model.flops import count_params
 from nanopt.rundir import RunDir
 from nanopt.runtime import (
-    _reset_rss_peak,
-    _rss_bytes,
     all_gather_object,
     broadcast_object,
     init_runtime,

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import RandomTokens  # noqa: E402
 
 from nanopt.config import RunConfig, load_run  # noqa: E402
+from nanopt.devices import MemoryProbe
 from nanopt.model.transformer import Transformer  # noqa: E402
-from nanopt.runtime import MemoryProbe, Runtime, init_runtime  # noqa: E402
+from nanopt.runtime import Runtime, init_runtime  # noqa: E402
 from nanopt.train.events import Silent  # noqa: E402
 from nanopt.train.health import HealthMonitor, HealthSettings  # noqa: E402
 from nanopt.train.health_probe import HealthProbe  # noqa: E402

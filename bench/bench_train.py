@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineGPT  # noqa: E402
 
 from nanopt.config import RunConfig, load_run  # noqa: E402
+from nanopt.devices import MemoryProbe, device_peak_flops
 from nanopt.model.flops import flops_per_token, mfu, mfu_note  # noqa: E402
 from nanopt.model.transformer import Transformer  # noqa: E402
-from nanopt.runtime import MemoryProbe, Runtime, device_peak_flops, init_runtime  # noqa: E402
+from nanopt.runtime import Runtime, init_runtime  # noqa: E402
 from nanopt.train.events import Silent  # noqa: E402
 from nanopt.train.metrics import MetricsLog  # noqa: E402
 from nanopt.train.optim import build_optimizer  # noqa: E402
@@ -69,7 +70,7 @@ class Measured:
     accum: int
     seconds_per_step: float
     tokens_per_step: int
-    peak_bytes: int  # nanopt's definition (nanopt.runtime.MemoryProbe): reserved + CUDA context; peak RSS on a CPU
+    peak_bytes: int  # nanopt's definition (nanopt.devices.MemoryProbe): reserved + CUDA context; peak RSS on a CPU
     max_allocated_bytes: int | None  # torch.cuda.max_memory_allocated; None on a CPU
     max_reserved_bytes: int | None  # torch.cuda.max_memory_reserved; None on a CPU
     warmup_s: float | None = None  # wall time of the warm-up steps (compilation included), where there were any

@@ -41,7 +41,7 @@ def test_training_runtime_allocates_expandable_segments(env: dict, expandable: b
 def test_peak_memory_counts_what_the_device_lost_outside_the_allocator():
     # cuBLAS and cuDNN take handles, workspaces and kernels outside the caching allocator on first use, after the
     # probe measured the CUDA context: the peak must still cover all the device has lost, read as the driver does.
-    from nanopt.runtime import MemoryProbe
+    from nanopt.devices import MemoryProbe
 
     device = torch.device("cuda", torch.cuda.current_device())
     probe = MemoryProbe(device)

@@ -136,12 +136,12 @@ def test_a_cpu_has_one_peak_for_estimate_preflight_find_batch_profile_and_train(
                                                                               cli_in_process, launcher,
                                                                               monkeypatch):
     """estimate --gpu cpu and preflight gave an MFU on the CPU while train and find-batch said "no peak for CPUs":
-    every command now measures against the one peak nanopt.runtime.device_peak_flops gives, shared by the ranks."""
+    every command now measures against the one peak nanopt.devices.device_peak_flops gives, shared by the ranks."""
     from faulthelp import TINY_MODEL
     from trainhelp import HIDE_CUDA, make_run
 
+    from nanopt.devices import device_peak_flops
     from nanopt.hardware import cpu_peak
-    from nanopt.runtime import device_peak_flops
 
     if cpu_peak() is None:
         pytest.skip("this machine's /proc/cpuinfo does not give its peak")

@@ -40,7 +40,7 @@ def test_summary_has_every_key_and_is_saved(profiled):
     assert json.loads((run / "profile" / "summary.json").read_text()) == summary
     assert summary["compile"]["enabled"] is False and summary["compile"]["note"] == "compile off"
     assert summary["tokens_per_s"] > 0 and summary["peak_memory_bytes"] > 0
-    # The CPU's peak, as estimate --gpu cpu works it out (nanopt.runtime.device_peak_flops), or said why none.
+    # The CPU's peak, as estimate --gpu cpu works it out (nanopt.devices.device_peak_flops), or said why none.
     assert summary["peak_source"] and (summary["mfu"] is not None) == (summary["peak_flops"] is not None)
 
 

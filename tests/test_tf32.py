@@ -15,8 +15,9 @@ import torch
 from clihelp import REPO
 
 from nanopt.config import load_run
+from nanopt.devices import device_peak_flops
 from nanopt.plan.preflight_record import changed_setting, fingerprint
-from nanopt.runtime import device_peak_flops, init_runtime
+from nanopt.runtime import init_runtime
 
 
 @pytest.fixture

@@ -110,9 +110,10 @@ def _setup(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed
     from bench_train import with_shape
 
     from nanopt.config import load_run
+    from nanopt.devices import device_peak_flops
     from nanopt.model.flops import flops_per_token
     from nanopt.model.memory import estimate_memory
-    from nanopt.runtime import device_peak_flops, init_runtime
+    from nanopt.runtime import init_runtime
 
     run = with_shape(load_run(preset(ctx, workload)), 1, compile_setting=True)  # compiled, as on a GPU by default
     rt = init_runtime(run.train.precision)
@@ -134,7 +135,7 @@ def step_throughput(ctx: Context, workload: str, wanted_micro: int, accum_cap: i
     device; with 1 round each side is freed before the next is built, for models that do not fit twice)."""
     from bench_train import build_side, measure
 
-    from nanopt.runtime import MemoryProbe
+    from nanopt.devices import MemoryProbe
 
     b = _setup(ctx, workload, wanted_micro, accum_cap, timed_micro)
     probe = MemoryProbe(b.rt.device)  # before any model: it measures the CUDA context

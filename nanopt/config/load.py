@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nanopt.config.schema import BUDGET_KEYS, TOKEN_COUNT_KEYS, ModelConfig, RunConfig, TrainConfig
+from nanopt.config.model_config import ModelConfig
+from nanopt.config.schema import BUDGET_KEYS, TOKEN_COUNT_KEYS, RunConfig, TrainConfig
 from nanopt.errors import ConfigError
 from nanopt.parsing import from_dict, parse_token_count, path_kind, read_json
 from nanopt.rundir import RunDir

@@ -1,6 +1,6 @@
-"""The typed configs of runs/NAME/model.json and train.json (ModelConfig, TrainConfig, RunConfig): every key, its
-type and range, what is derived from them (gradient accumulation, steps), and the checks that name the file and
-the key of each mistake. Reading them from files and checkpoints: nanopt.config.load."""
+"""The typed configs of train.json and of a run (TrainConfig, RunConfig; model.json's: nanopt.config.model_config):
+every key, its type and range, what is derived from them (gradient accumulation, steps), and the checks that name
+the file and the key of each mistake. Reading them from files and checkpoints: nanopt.config.load."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nanopt.config.batch_ramp import BatchRamp, check_batch_warmup, ramp_of
+from nanopt.config.checks import check_non_negative, check_positive, check_range
 from nanopt.config.mixture import Mixture, resolve_mixture, wsd_decay_start
+from nanopt.config.model_config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
 from nanopt.parsing import show_value
 
-Architecture = Literal["llama", "gpt2"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Parallelism = Literal["ddp", "zero1", "zero2", "fsdp", "fsdp_offload"]  # nanopt.train.parallel
@@ -26,118 +27,16 @@ ActivationCheckpointing = bool | int | Literal["selective"]
 OptimizerName = Literal["adamw", "muon", "adamw8bit"]
 CompileMode = bool | Literal["auto"]
 WandbMode = Literal["online", "offline"]
-InitRule = Literal["normal", "fan_in"]
 Fp8Mode = Literal["off", "head", "all"]
 
 # Every integer in these files fits in 64 bits: torch and numpy hold them as int64, and past that they fail with a
 # traceback (or wrap around) far from the file that caused it.
-# No model dimension (vocabulary, widths, layers, heads, positions) above 2**24 = 16,777,216: a hundred times the
-# largest of each in today's models, and small enough that every size derived from them stays exact. A value past it
-# is a typo, whose model would ask for petabytes at the first allocation.
-MAX_MODEL_DIMENSION = 2**24
 
 # train.json keys that count tokens: also written as people write counts ("2.5B", "500M", "20e9"), as --max-tokens is.
 TOKEN_COUNT_KEYS = ("train_tokens", "eval_tokens", "global_batch_tokens", "batch_warmup_tokens",
                     "batch_warmup_start_tokens")
 # The budget is one or the other.
 BUDGET_KEYS = ("train_tokens", "max_steps")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a decoder-only transformer. `llama`: RoPE, RMSNorm, SwiGLU, GQA. `gpt2`: learned
-    positions, LayerNorm, GELU MLP, biases."""
-
-    architecture: Architecture
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    max_position_embeddings: int
-    intermediate_size: int | None = None  # default: 4 x hidden (gpt2); the Llama 8/3 rule rounded to 256
-    num_key_value_heads: int | None = None  # default: num_attention_heads (no GQA)
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    layer_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
-    attention_bias: bool | None = None  # default: True for gpt2, False for llama
-    mlp_bias: bool | None = None  # default: True for gpt2, False for llama
-    dropout: float = 0.0
-    initializer_range: float = 0.02
-    # Recipe options, off by default (checkpoints from before them load unchanged; keys kept as given, so a
-    # checkpoint that does not name one means its default).
-    qkv_bias: bool | None = None  # biases on the q, k, v projections; default: as attention_bias (which has o_proj)
-    qk_norm: bool = False  # RMSNorm (rms_norm_eps) on each head's queries and keys, before RoPE (Qwen3)
-    init: InitRule = "normal"  # normal: std initializer_range; fan_in: std 1/sqrt(fan_in) for the projections
-    document_masking: bool = False  # attention stops at EOS: a token sees its own document only, positions restart
-    eos_token_id: int | None = None  # the EOS that ends a document, with document_masking (the dataset's)
-
-    def __post_init__(self) -> None:
-        is_gpt2 = self.architecture == "gpt2"
-        if self.intermediate_size is None:
-            default = 4 * self.hidden_size if is_gpt2 else _llama_intermediate(self.hidden_size)
-            object.__setattr__(self, "intermediate_size", default)
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in ("attention_bias", "mlp_bias"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, is_gpt2)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def has_qkv_bias(self) -> bool:
-        return bool(self.attention_bias if self.qkv_bias is None else self.qkv_bias)
-
-    def validate(self, source: str = "model.json") -> None:
-        dimensions = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                      "max_position_embeddings", "intermediate_size", "num_key_value_heads")
-        _check_positive(self, source, dimensions)
-        for name in dimensions:
-            if getattr(self, name) > MAX_MODEL_DIMENSION:
-                raise ConfigError(f"{source}: key '{name}': {getattr(self, name)} is larger than "
-                                  f"{MAX_MODEL_DIMENSION:,}, the largest model dimension nanopt accepts",
-                                  "check for a typo; see runs/*/model.json for typical values")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"{source}: key 'num_attention_heads': {self.num_attention_heads} does not divide "
-                f"hidden_size {self.hidden_size}",
-                f"use a head count from {_divisors(self.hidden_size, 8, 128)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"{source}: key 'num_key_value_heads': {self.num_key_value_heads} does not divide "
-                f"num_attention_heads {self.num_attention_heads}",
-                f"use one of {_divisors(self.num_attention_heads, 1, self.num_attention_heads)}")
-        if self.architecture == "llama" and self.head_dim % 2:
-            raise ConfigError(f"{source}: key 'hidden_size': head size {self.head_dim} is odd, RoPE needs it even",
-                              "choose hidden_size / num_attention_heads even")
-        if self.architecture == "gpt2" and self.num_key_value_heads != self.num_attention_heads:
-            raise ConfigError(f"{source}: key 'num_key_value_heads': gpt2 has no grouped-query attention",
-                              "remove the key or use architecture \"llama\"")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"{source}: key 'dropout': {self.dropout} is outside [0, 1)", "use e.g. 0.0 or 0.1")
-        for name in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "initializer_range"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{source}: key '{name}': must be positive, got {getattr(self, name)}",
-                                  "see runs/*/model.json for typical values")
-        self._check_document_masking(source)
-
-    def _check_document_masking(self, source: str) -> None:
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ConfigError(f"{source}: key 'eos_token_id': {self.eos_token_id} is outside the vocabulary "
-                              f"[0, {self.vocab_size})", "use the dataset's eos_id (its meta.json)")
-        if self.document_masking and self.eos_token_id is None:
-            raise ConfigError(f"{source}: key 'document_masking': needs 'eos_token_id', the token that ends a "
-                              "document", "add \"eos_token_id\": the dataset's eos_id (its meta.json)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _llama_intermediate(hidden: int) -> int:
-    return 256 * math.ceil(int(8 * hidden / 3) / 256)
 
 
 @dataclass(frozen=True)
@@ -216,11 +115,11 @@ class TrainConfig:
         # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
         if isinstance(self.data, str):
             _check_dataset_path(self.data, source, look_up_data)
-        _check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "downstream_examples",
+        check_positive(self, source, ("micro_batch_size", "global_batch_tokens", "eval_tokens", "downstream_examples",
                                        "keep_checkpoints",
                                        "log_interval", "max_nonfinite_steps", "adam_eps", "spike_threshold",
                                        "recovery_confirm_steps", "max_recoveries", "data_epochs_warning"))
-        _check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
+        check_non_negative(self, source, ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip",
                                            "weight_decay", "seed", "recovery_skip_steps", "recovery_lr_steps"))
         self._check_downstream_interval(source)
         if not (math.isfinite(self.recovery_lr_factor) and 0 < self.recovery_lr_factor <= 1):
@@ -260,8 +159,8 @@ class TrainConfig:
                            self.micro_batch_size * self.resolved_seq_len(model), isinstance(self.data, dict), source)
         for item in (self.mixture(source).sources if isinstance(self.data, dict) else ()):
             _check_dataset_path(item.path, source, look_up_data)
-        _check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
-        _check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
+        check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
+        check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
         if self.on_exit is not None and not self.on_exit.strip():
             raise ConfigError(f"{source}: key 'on_exit': the command is empty",
                               "give a shell command such as \"sudo shutdown -h now\", or remove the key")
@@ -404,30 +303,6 @@ def _batch_suggestions(global_tokens: int, seq_len: int, world: int, micro: int)
     if micros:
         options.append("micro_batch_size " + " or ".join(str(m) for m in micros))
     return "values that work: " + ", or ".join(options)
-
-
-def _divisors(n: int, low: int, high: int) -> list[int]:
-    return [d for d in range(low, high + 1) if n % d == 0][:8]
-
-
-def _check_positive(cfg: Any, source: str, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{source}: key '{name}': must be positive, got {value}", "use a number > 0")
-
-
-def _check_non_negative(cfg: Any, source: str, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value < 0:
-            raise ConfigError(f"{source}: key '{name}': must not be negative, got {value}", "use 0 or more")
-
-
-def _check_range(cfg: Any, source: str, name: str, low: float, high: float, hint: str) -> None:
-    value = getattr(cfg, name)
-    if value is not None and not (math.isfinite(value) and low <= value <= high):
-        raise ConfigError(f"{source}: key '{name}': {show_value(value)} is outside [{low:g}, {high:g}]", hint)
 
 
 def _check_wandb_project(project: str | None, source: str) -> None:

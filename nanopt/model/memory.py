@@ -1,6 +1,6 @@
 """The memory model: per-GPU peak memory of training a model, predicted without torch.
 
-It predicts the peak as nanopt measures it everywhere (nanopt.runtime.MemoryProbe): on CUDA the caching
+It predicts the peak as nanopt measures it everywhere (nanopt.devices.MemoryProbe): on CUDA the caching
 allocator's peak reserved bytes plus the CUDA context. `nanopt estimate` and `nanopt find-batch` (whose trials
 report this model's error) call the same `estimate_memory`.
 """

@@ -75,7 +75,7 @@ class Measured:
 
 
 def build_report(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measured) -> dict[str, Any]:
-    from nanopt.runtime import device_name
+    from nanopt.devices import device_name
 
     device = {"name": device_name(rt.device), "kind": _device_kind(rt), "world_size": rt.world_size}
     step_s = m.mean_step_s
@@ -130,10 +130,10 @@ def _memory_measure(rt: Any) -> str:
 
 
 def _throughput(run: RunConfig, rt: Any, tokens_per_s: float) -> dict[str, Any]:
-    """MFU against each rank's dense peak (nanopt.runtime.device_peak_flops: on a CPU, this machine's peak as
+    """MFU against each rank's dense peak (nanopt.devices.device_peak_flops: on a CPU, this machine's peak as
     `nanopt estimate --gpu cpu` works it out, which the ranks share), as training reports it."""
+    from nanopt.devices import device_peak_flops
     from nanopt.model.flops import flops_per_token, mfu, mfu_note
-    from nanopt.runtime import device_peak_flops
 
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
     utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), rt.world_size, peak)
@@ -159,7 +159,7 @@ def _finite_mean(values: list[float]) -> float | None:
 
 def _projection(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measured, step_s: float) -> dict[str, Any]:
     """The whole run's time per phase at the measured durations, and its cost at the run's price."""
-    from nanopt.runtime import device_price
+    from nanopt.devices import device_price
     from nanopt.train.phases import occasions, projected_seconds
 
     seconds = projected_seconds(run, 0, step_s, m.eval_s, m.checkpoint_s, m.setup_s)

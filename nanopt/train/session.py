@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from nanopt.config import RunConfig
+from nanopt.devices import MemoryProbe, check_memory, device_peak_flops, device_price
 from nanopt.errors import ConfigError
 from nanopt.model.flops import count_params, flops_per_token, fp8_peak_label
 from nanopt.model.memory import estimate_memory
 from nanopt.rundir import RunDir
-from nanopt.runtime import MemoryProbe, Runtime, check_memory, device_peak_flops, device_price, seed_everything
+from nanopt.runtime import Runtime, seed_everything
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.fp8 import check_fp8
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
@@ -54,7 +55,7 @@ class Session:
     peak_source: str
     memory: MemoryProbe
     train_state: TrainState
-    price_per_hour: float | None  # USD per device-hour (nanopt.runtime.device_price), None where unknown
+    price_per_hour: float | None  # USD per device-hour (nanopt.devices.device_price), None where unknown
     price_source: str
     spikes: SpikeMonitor | None = None
     preempt_requested: bool = field(default=False)

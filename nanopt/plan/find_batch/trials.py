@@ -13,9 +13,9 @@ import traceback
 from typing import Any
 
 from nanopt.config import RunConfig
+from nanopt.devices import MemoryProbe, device_name
 from nanopt.errors import NanoptError
 from nanopt.plan.find_batch.search import FindBatchOptions, agree, judge, memory_limit, trial_run, usable_bytes
-from nanopt.runtime import MemoryProbe, device_name
 from nanopt.train.oom import is_out_of_memory
 
 POLL_S = 0.02  # how often the parent samples a CPU trial's resident memory
@@ -28,7 +28,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     """Run `steps` real training steps of `run` in this process and clean up; the measurement as plain data."""
     import torch
 
-    from nanopt.runtime import device_peak_flops
+    from nanopt.devices import device_peak_flops
     from nanopt.train.parallel import resolve_compile
     from nanopt.train.session import build_session
     from nanopt.train.step import step
@@ -259,7 +259,7 @@ class InProcessTrials:
         return m
 
     def _facts(self) -> dict[str, Any]:
-        from nanopt.runtime import device_peak_flops
+        from nanopt.devices import device_peak_flops
         from nanopt.train.parallel import resolve_compile
 
         peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision, self.rt.tf32)

@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from nanopt.devices import check_memory
 from nanopt.errors import CheckpointError
 from nanopt.model.flops import count_params
 from nanopt.model.memory import states_only
 from nanopt.rundir import STEP_NAME, step_dir_name
-from nanopt.runtime import check_memory
 from nanopt.shown import shell_word
 from nanopt.train import sharded
 from nanopt.train.checkpoint.meta import (
