@@ -113,9 +113,9 @@ def estimate_command(
     write_model: Path | None = typer.Option(None, "--write-model", help="With --flops: write the planned model as "
                                                                         "this new model.json."),
     sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    compare: bool = typer.Option(False, "--compare-gpus/--no-compare-gpus", help="Also the run on --num-gpus of every GPU in the "
-                                                               "table: the ladder's rung for each, time, cost and "
-                                                               "dollars per million tokens, cheapest first."),
+    compare: bool = typer.Option(False, "--compare-gpus/--no-compare-gpus",
+                                 help="Also the run on --num-gpus of every GPU in the table: the ladder's rung for "
+                                      "each, time, cost and dollars per million tokens, cheapest first."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU, and
