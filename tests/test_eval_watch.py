@@ -137,6 +137,8 @@ def test_watch_options_are_checked_first(tmp_path: Path, cli_in_process):
     assert_user_error(cli_in_process("eval", tmp_path, "--watch", "--poll", "0"), "--poll")
     assert_user_error(cli_in_process("eval", tmp_path, "--watch", "--no-loss"), "needs the loss")
     assert_user_error(cli_in_process("eval", tmp_path, "--watch", "--device", "tpu:0"), "--device")
+    assert_user_error(cli_in_process("eval", tmp_path, "--device", "cuda:99"), "--device")
+    assert_user_error(cli_in_process("eval", tmp_path, "--device", "cpu", "--nproc-per-node", "2"), "--device")
 
 
 def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_path: Path):
@@ -200,7 +202,7 @@ def test_every_checkpoint_is_scored_once_in_order_beside_training(tmp_path: Path
     # The comparison reads the history: with the watcher's settings, nothing is evaluated again.
     shutil.copytree(run, tmp_path / "copy")
     compared = json.loads(cli_in_process("eval", run, tmp_path / "copy", "--no-samples", "--tokens", "512",
-                                         "--json").stdout)
+                                         "--device", "cpu", "--json").stdout)
     assert [r.get("reused") for r in compared["runs"]] == [True, True]
     assert {r["test_loss"] for r in compared["runs"]} == {read_history(run)[-1]["test_loss"]}
 

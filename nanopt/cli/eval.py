@@ -127,9 +127,10 @@ def eval_command(
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     task_options(tasks, limit, task_data, harness)  # a misspelt task fails now too
     harness_opts = harness_options(harness, limit, task_data, nproc_per_node)  # and a missing harness extra
-    if watch:
-        from nanopt.cli.eval_watch import check_watch_options
+    from nanopt.cli.eval_watch import check_device_option, check_watch_options
 
+    check_device_option(device, nproc_per_node)
+    if watch:
         check_watch_options(run_dirs, nproc_per_node, poll)
     overlay = len(run_dirs) > 1 and not no_loss
     if overlay:

@@ -18,6 +18,13 @@ from nanopt.errors import ConfigError
 STOPPED = 130  # Ctrl-C / SIGTERM: the shell's convention, as `nanopt train` uses
 
 
+def check_device_option(device: str | None, nproc_per_node: int) -> None:
+    """--device names one device for one process: with several, every rank would refuse it after torchrun started."""
+    if device is not None and nproc_per_node > 1:
+        raise ConfigError(f"--device {device} picks one device for one process, and --nproc-per-node is "
+                          f"{nproc_per_node}", "drop --device (each rank uses its own GPU), or --nproc-per-node")
+
+
 def check_watch_options(run_dirs: list[Path], nproc_per_node: int, poll: float) -> None:
     """One line, before anything starts, for what --watch cannot do."""
     from nanopt.evaluate.watch import check_poll
