@@ -113,8 +113,8 @@ def eval_command(
                                        "with lm-evaluation-harness itself, on the checkpoint exported to a "
                                        "temporary directory; printed beside nanopt's. Needs pip install "
                                        "\"nanopt[harness]\"."),
-    watch: bool = typer.Option(False, "--watch", help="Score every new checkpoint of RUN as training writes it, "
-                               "in this process, until the run is complete or Ctrl-C; results go to "
+    watch: bool = typer.Option(False, "--watch/--no-watch", help="Score every new checkpoint of RUN as training "
+                               "writes it, in this process, until the run is complete or Ctrl-C; results go to "
                                "eval_history.jsonl. E.g. nanopt eval runs/demo --watch --device cpu"),
     poll: float = typer.Option(30.0, "--poll", help="With --watch: seconds between looks for new checkpoints."),
     device: str | None = typer.Option(None, "--device", help="Evaluate on this device: cpu, cuda, cuda:1 "
