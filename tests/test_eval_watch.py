@@ -208,6 +208,25 @@ def test_every_checkpoint_is_scored_once_in_order_beside_training(tmp_path: Path
 
 
 @pytest.mark.slow
+def test_with_keep_1_each_checkpoint_is_scored_or_said_to_be_missed(tmp_path: Path, tiny_dataset: Path,
+                                                                    launcher: Launcher):
+    """A watcher slower than the saves: retention (keep_checkpoints 1) deletes what it has not held yet. Every
+    checkpoint written while it watched is then either scored, in order, or named as deleted before it looked."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=12, checkpoint_interval=2, keep_checkpoints=1,
+                   eval_interval=0)
+    watcher = start_watcher(run, tmp_path, "--json", "--poll", "0.5")
+    launcher.train(run)
+    code, out, err = finish(watcher)
+    assert code == 0, err
+    summary = json.loads(out.splitlines()[-1])["summary"]
+    missed = sorted(int(name.removeprefix("step-")) for name in summary["passed_over"])
+    assert summary["scored"] == sorted(summary["scored"]) and summary["scored"][-1] == 12
+    assert sorted(summary["scored"] + missed) == [2, 4, 6, 8, 10, 12], err
+    assert all(f"step-{s:06d}: not scored: deleted by the training's retention" in err for s in missed)
+    assert [r["step"] for r in read_history(run)] == summary["scored"]
+
+
+@pytest.mark.slow
 def test_a_killed_watcher_restarted_skips_what_it_scored(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=16, checkpoint_interval=2, keep_checkpoints=10,
                    eval_interval=0)

@@ -31,6 +31,7 @@ from nanopt.files import check_run_dir
 from nanopt.runtime import init_runtime, runtime_on, shutdown
 from nanopt.train.checkpoint import Checkpoint, checkpoints_dir, complete_checkpoints, read_meta, read_pointer, step_of
 from nanopt.train.checkpoint.hold import Hold, remove_stale_holds, still_there
+from nanopt.train.metrics import read_metrics
 
 DEFAULT_POLL_S = 30.0
 MAX_POLL_S = 86400.0
@@ -82,6 +83,7 @@ def watch_run(run_dir: Path, opts: EvalOptions, *, poll_s: float = DEFAULT_POLL_
     rt = init_runtime("auto") if device is None else runtime_on(device)
     remove_stale_holds(run_dir)  # those of a watcher killed earlier
     events.started(str(rt.device))
+    started = time.time()
     seen: set[tuple[str, str]] = set()  # (name, checkpoint id) scored, skipped or passed over by this watcher
     try:
         with _sigterm_interrupts():
@@ -89,6 +91,7 @@ def watch_run(run_dir: Path, opts: EvalOptions, *, poll_s: float = DEFAULT_POLL_
                 history = read_history(run_dir)
                 for path in complete_checkpoints(run_dir):
                     _consider(rt, run_dir, path, opts, history, seen, summary, events, progress or Progress())
+                _say_missed(run_dir, started, seen, summary, events)
                 if _run_complete(run_dir, seen):
                     summary.ended = "completed"
                     return summary
@@ -127,6 +130,25 @@ def _consider(rt: Any, run_dir: Path, path: Path, opts: EvalOptions, history: li
         return
     summary.scored.append(step)
     events.scored(result)
+
+
+def _say_missed(run_dir: Path, since: float, seen: set[tuple[str, str]], summary: WatchSummary,
+                events: WatchEvents) -> None:
+    """Pass over, with a note, each checkpoint training wrote while the watcher ran (metrics.jsonl's checkpoint
+    events) that retention deleted before the watcher looked: it fell behind, and keep_checkpoints is small."""
+    looked_at = {name for name, _ in seen} | set(summary.passed_over)
+    for record in read_metrics(run_dir):
+        if record.get("kind") != "event" or record.get("event") != "checkpoint":
+            continue
+        written, path = record.get("time"), record.get("path")
+        if not isinstance(written, (int, float)) or written < since or not isinstance(path, str):
+            continue
+        name = Path(path).name
+        if step_of(Path(name)) is not None and name not in looked_at and not (checkpoints_dir(run_dir) / name).exists():
+            why = "deleted by the training's retention (keep_checkpoints) before the watcher looked"
+            summary.passed_over[name] = why
+            looked_at.add(name)
+            events.passed_over(name, why)
 
 
 def score(rt: Any, run_dir: Path, path: Path, opts: EvalOptions, progress: Progress) -> dict[str, Any] | None:
