@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from clihelp import REPO, assert_user_error
 from faulthelp import Launcher, tiny_run, tree_digest
+from taskdata import write_task_data
 from trainhelp import HIDE_CUDA, write_tiny_checkpoint
 
 from nanopt.errors import WritePathError
@@ -160,13 +161,14 @@ def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_pat
 # ----------------------------------------------------------------------------------- beside a real training
 
 
-def start_watcher(run: Path, logs: Path, *extra: str) -> subprocess.Popen:
+def start_watcher(run: Path, logs: Path, *extra: object) -> subprocess.Popen:
     """`nanopt eval RUN --watch` in a process of its own, started from scratch as a person starts it; returns once
     it is watching."""
     err = logs / f"watch-{time.monotonic_ns()}.err"
     env = {**os.environ, **HIDE_CUDA, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "nanopt", "eval", str(run), *WATCH, *extra], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)  # noqa: SIM115
+    argv = [sys.executable, "-m", "nanopt", "eval", str(run), *WATCH, *map(str, extra)]
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(err, "w"),  # noqa: SIM115
+                            text=True)
     proc.err_path = err
     deadline = time.monotonic() + 120
     while "watching" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
@@ -231,7 +233,8 @@ def test_a_killed_watcher_restarted_skips_what_it_scored(tmp_path: Path, tiny_da
     run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=16, checkpoint_interval=2, keep_checkpoints=10,
                    eval_interval=0)
     launcher.train(run)
-    first = start_watcher(run, tmp_path)
+    tasks = ("--tasks", "hellaswag,piqa", "--task-data", write_task_data(tmp_path / "tasks"))  # scored each time too
+    first = start_watcher(run, tmp_path, *tasks)
     history = run / "eval_history.jsonl"
     deadline = time.monotonic() + 120
     while (not history.exists() or len(read_history(run)) < 2) and time.monotonic() < deadline:
@@ -240,10 +243,11 @@ def test_a_killed_watcher_restarted_skips_what_it_scored(tmp_path: Path, tiny_da
     first.communicate(timeout=60)
     before = [r["step"] for r in read_history(run)]
     assert before and before == sorted(before)
-    second = start_watcher(run, tmp_path, "--json")
+    second = start_watcher(run, tmp_path, "--json", *tasks)
     code, out, err = finish(second)
     assert code == 0, err
     assert [r["step"] for r in read_history(run)] == [2, 4, 6, 8, 10, 12, 14, 16]  # nothing scored twice
+    assert all(set(r["tasks"]) == {"hellaswag", "piqa"} for r in read_history(run))
     summary = json.loads(out.splitlines()[-1])["summary"]
     assert summary["skipped"] == before and summary["scored"] == [s for s in range(2, 17, 2) if s not in before]
     assert list((run / "holds").iterdir()) == []  # the killed watcher's hold was stale, and removed
