@@ -144,6 +144,7 @@ def test_watch_options_are_checked_first(tmp_path: Path, cli_in_process):
 
 def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_path: Path):
     from nanopt.evaluate.charts import comparison_figure
+    from nanopt.train.metrics import loss_chart
 
     runs = [tmp_path / "a", tmp_path / "b"]
     for index, run in enumerate(runs):
@@ -156,6 +157,11 @@ def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_pat
     figure = comparison_figure(runs, ["a", "b"])
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     assert list(lines["a test"].get_xdata()) == [128, 192] and list(lines["b test"].get_ydata()) == [3.8, 3.7]
+    own = {line.get_label(): line for line in loss_chart(runs[0]).axes[0].get_lines()}  # and the run's loss.png
+    assert list(own["test (nanopt eval)"].get_xdata()) == [128, 192]
+    (runs[1] / "eval_history.jsonl").unlink()
+    os.mkfifo(runs[1] / "eval_history.jsonl")  # never blocks, never stops a training's chart: no test points
+    assert "test (nanopt eval)" not in {line.get_label() for line in loss_chart(runs[1]).axes[0].get_lines()}
 
 
 # ----------------------------------------------------------------------------------- beside a real training
