@@ -25,7 +25,7 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     if not os.path.lexists(path):
         return []
     records = []
-    with open_regular(path, ConfigError, _HINT, "evaluation history") as f:
+    with open_regular(path, ConfigError, _HINT, "results log") as f:
         while line := f.readline(MAX_LINE_BYTES + 1):
             if len(line) > MAX_LINE_BYTES:
                 while line and not line.endswith(b"\n"):  # the rest of the long line, a piece at a time
