@@ -7,6 +7,7 @@ make it overwrite, append to or delete whatever the link names. So every write g
   then fstat: a regular file with no other name (a hard link); truncated only after that check;
 - replacing / replace_file: the new contents go to a temporary created exclusively beside the file
   (nanopt.rundir.temporary), fsync'd and renamed over it, so a reader never sees half a file;
+- create_file: a new file, created exclusively (O_EXCL), its descriptor kept open by the caller;
 - make_dir / new_dir: a directory nanopt writes into is a real directory, never a link or a file;
 - remove_tree: deletes a real directory inside a given root only, never through a link;
 - check_run_dir: the one check of a run directory before a command's first write into it.
@@ -128,6 +129,20 @@ def append_whole(path: Path, text: str) -> None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None  # os.write's error names no file
     finally:
         os.close(fd)
+
+
+def create_file(path: Path, data: bytes | str) -> int:
+    """A new file at `path` holding `data`, created exclusively (FileExistsError if anything is there, a link
+    included), and its descriptor, left open for the caller to keep (a checkpoint hold refreshes its time through it)
+    and close."""
+    fd = _open(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, data.encode("utf-8") if isinstance(data, str) else data)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
 
 
 def write_file(path: Path, data: bytes | str) -> None:

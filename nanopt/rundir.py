@@ -6,6 +6,8 @@
       checkpoints/latest, best        one-line pointer files naming a step directory
       metrics.jsonl  loss.png         what training measured (see nanopt.train.metrics)
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
+      eval_history.jsonl              every test-loss evaluation, one result a line (see nanopt.evaluate.history)
+      holds/step-N.ID                 a checkpoint a reader is using: retention keeps it (nanopt.train.checkpoint.hold)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
       preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight_record)
       tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
@@ -13,7 +15,8 @@
       on_event.log  health.png        the output of the --on-event command; `nanopt eval --health`'s chart
       export/                         the default `nanopt export` destination
       previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
-                                      metrics.jsonl, loss.png, eval.json and tensorboard/, never deleted by nanopt
+                                      metrics.jsonl, loss.png, eval.json, eval_history.jsonl and tensorboard/,
+                                      never deleted by nanopt
       .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.lock)
 
 Pure path arithmetic: nothing here reads or writes a file, so any module may import it. How nanopt writes these
@@ -32,6 +35,8 @@ CHECKPOINTS = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 CHART_FILE = "loss.png"
 EVAL_FILE = "eval.json"
+EVAL_HISTORY_FILE = "eval_history.jsonl"
+HOLDS_DIR = "holds"
 FIND_BATCH_FILE = "find_batch.json"
 PROFILE_DIR = "profile"
 PREFLIGHT_FILE = "preflight.json"
@@ -101,6 +106,14 @@ class RunDir:
         return self.root / EVAL_FILE
 
     @property
+    def eval_history(self) -> Path:
+        return self.root / EVAL_HISTORY_FILE
+
+    @property
+    def holds(self) -> Path:
+        return self.root / HOLDS_DIR
+
+    @property
     def find_batch_json(self) -> Path:
         return self.root / FIND_BATCH_FILE
 
@@ -150,15 +163,16 @@ class RunDir:
         (nanopt.files.check_run_dir)."""
         replaced = [self.metrics, self.chart, self.eval_json, self.find_batch_json, self.preflight_json,
                     self.health_chart, *(self.checkpoints / name for name in POINTERS)]
-        return [self.lock, self.exit_hook_log, self.event_hook_log, *replaced, *(temporary(path) for path in replaced)]
+        return [self.lock, self.exit_hook_log, self.event_hook_log, self.eval_history, *replaced,
+                *(temporary(path) for path in replaced)]
 
     def written_dirs(self) -> list[Path]:
         """Every directory nanopt makes, writes into or deletes from in the run (checkpoints/ also holds the
         directories is_checkpoint_entry names, found by listing it)."""
-        return [self.checkpoints, self.previous, self.profile_dir, self.tensorboard, self.wandb]
+        return [self.checkpoints, self.previous, self.profile_dir, self.tensorboard, self.wandb, self.holds]
 
     def training_outputs(self) -> list[Path]:
         """What training writes (and a fresh start moves aside), where it exists. TensorBoard's event files go too:
         the new run's steps would draw over the old ones. wandb/ stays: each session is its own W&B run."""
-        return [p for p in (self.checkpoints, self.metrics, self.chart, self.eval_json, self.tensorboard)
-                if p.exists()]
+        return [p for p in (self.checkpoints, self.metrics, self.chart, self.eval_json, self.eval_history,
+                            self.tensorboard) if p.exists()]

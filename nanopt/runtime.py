@@ -159,6 +159,31 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bo
                              precision=resolve_precision(precision, device)), tf32)
 
 
+def runtime_on(device: str) -> Runtime:
+    """One process on the device a person named ("cpu", "cuda", "cuda:1"), outside torchrun: evaluation beside a
+    training that holds the other GPUs. ConfigError, one line, for a name torch does not know or a GPU not here."""
+    import torch
+
+    hint = "e.g. --device cpu, --device cuda or --device cuda:1"
+    if ranks().world_size > 1:
+        raise ConfigError("--device picks one device for one process, and this is one of several ranks",
+                          "leave --device out under torchrun (--nproc-per-node > 1)")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r}: not a device name", hint) from None
+    if chosen.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: nanopt evaluates on the CPU or a CUDA GPU", hint)
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if chosen.index is None else chosen.index
+        if index >= count:
+            raise ConfigError(f"--device {device}: this machine has {count} CUDA GPU(s)", hint)
+        chosen = torch.device("cuda", index)
+        torch.cuda.set_device(chosen)
+    return Runtime(device=chosen, rank=0, local_rank=0, world_size=1, precision=resolve_precision("auto", chosen))
+
+
 def with_tf32(rt: Runtime, enabled: bool) -> Runtime:
     """`rt` with CUDA's fp32 matmuls and convolutions on TF32 tensor cores, or in true fp32 (train.json "tf32").
     Legacy flags only, set nowhere else: torch 2.9+ reads them back through fp32_precision too, but raises on a "mix

@@ -240,6 +240,7 @@ def test_an_eval_json_made_under_the_old_slicing_rule_is_not_reused(run: Path, t
         "precision", "samples")}  # what the old rule recorded: the same keys, no rule
     assert old_settings != fresh["settings"]
     plant(old_settings)
+    (other / "eval_history.jsonl").unlink()  # it holds today's result, which would be reused (rightly) instead
     compared = eval_json(cli_in_process, other, run, "--tokens", "1024")["runs"]
     [again] = [r for r in compared if r["run"] == str(other)]
     assert not again.get("reused") and again["test_loss"] == pytest.approx(fresh["test_loss"], rel=1e-9)

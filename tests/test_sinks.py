@@ -209,8 +209,10 @@ def test_eval_of_several_runs_overlays_their_loss_curves_on_one_png(tmp_path, ti
 
     fig = comparison_figure(runs, ["slow", "fast"])
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines}
-    assert sorted(lines) == ["fast train", "fast val", "slow train", "slow val"]
+    assert sorted(lines) == ["fast test", "fast train", "fast val", "slow test", "slow train", "slow val"]
     for run, name in zip(runs, ["slow", "fast"], strict=True):
+        tested = json.loads((run / "eval.json").read_text())  # the eval above, from the run's eval_history.jsonl
+        assert lines[f"{name} test"] == ([tested["tokens_trained"]], [tested["test_loss"]])
         assert lines[f"{name} train"] == ([r["tokens"] for r in records(run, "train")],
                                           [r["loss"] for r in records(run, "train")])
         assert lines[f"{name} val"][1] == [r["val_loss"] for r in records(run, "eval")]

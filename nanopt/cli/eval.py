@@ -53,12 +53,20 @@ Examples:
   nanopt eval runs/gpt2-small --tasks hellaswag --harness hellaswag --limit 500   # beside lm-evaluation-harness's
   nanopt eval runs/demo --health      # verdicts and signals from metrics.jsonl, running or finished; health.png
 
+  nanopt eval runs/gpt2-small --watch --device cuda:7 --tasks hellaswag --limit 500   # each checkpoint as it lands
+
 --tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
 acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
 from DIR/TASK.jsonl in the hub dataset's schema. Results go to eval.json's "tasks"; with --no-loss, no eval.json.
 --harness exports the checkpoint to a temporary directory and runs lm-evaluation-harness (lm_eval.simple_evaluate,
 its hf model, fp32) on the same tasks, --limit and --task-data; its numbers go to eval.json's "harness" and into
 the same table, a column beside nanopt's (pip install "nanopt[harness]").
+
+--watch scores each checkpoint of a run that is training, in step order, as it lands, on --device (another GPU, or
+cpu), looking every --poll seconds; it ends when the run is complete, or on Ctrl-C (exit 130). It takes no lock and
+writes nothing into checkpoints/: it holds the checkpoint it scores (a file in RUN/holds/) so retention keeps it
+until it is done, and appends each result to RUN/eval_history.jsonl (also the latest to RUN/eval.json), which the
+comparison and its chart read. Restarted, it skips what that history already holds.
 """
 
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
@@ -109,6 +117,12 @@ def eval_command(
     health: bool = typer.Option(False, "--health/--no-health", help="Only the run's health, from its metrics.jsonl "
                                 "(running or finished; no checkpoint, no GPU): verdicts, latest signals, and "
                                 "RUN/health.png charting them."),
+    watch: bool = typer.Option(False, "--watch/--no-watch", help="Score every new checkpoint of RUN as training "
+                               "writes it, in this process, until the run is complete or Ctrl-C; results go to "
+                               "eval_history.jsonl. E.g. nanopt eval runs/demo --watch --device cpu"),
+    poll: float = typer.Option(30.0, "--poll", help="With --watch: seconds between looks for new checkpoints."),
+    device: str | None = typer.Option(None, "--device", help="Evaluate on this device: cpu, cuda, cuda:1 "
+                                      "(default: this rank's GPU, else the CPU)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""
@@ -123,6 +137,11 @@ def eval_command(
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     task_options(tasks, limit, task_data, harness)  # a misspelt task fails now too
     harness_opts = harness_options(harness, limit, task_data, nproc_per_node)  # and a missing harness extra
+    from nanopt.cli.eval_watch import check_device_option, check_watch_options
+
+    check_device_option(device, nproc_per_node)
+    if watch:
+        check_watch_options(run_dirs, nproc_per_node, poll)
     overlay = len(run_dirs) > 1 and not no_loss
     if overlay:
         from nanopt.evaluate.charts import check_chart_path, default_chart_path
@@ -140,8 +159,12 @@ def eval_command(
                        micro_batch_size=micro_batch_size, samples=samples, loss=not no_loss,
                        reuse=len(run_dirs) > 1 and not fresh, tasks=task_options(tasks, limit, task_data, harness),
                        harness=harness_opts)
+    if watch:
+        from nanopt.cli.eval_watch import watch as watch_run
+
+        return watch_run(run_dirs[0], opts, poll, device, as_json, _RichProgress())
     is_main = ranks().is_main
-    results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None)
+    results = evaluate_runs(run_dirs, opts, _RichProgress() if is_main else None, device)
     if not is_main:
         return
     _print_checkpoint_notes(results)

@@ -1,5 +1,6 @@
 """Several runs on one chart: `nanopt eval RUN1 RUN2 ...` overlays their train and validation loss against tokens,
-from each run's metrics.jsonl, so a person sees the difference instead of reading it.
+from each run's metrics.jsonl, and the test loss of each checkpoint evaluated (eval_history.jsonl: `nanopt eval`,
+`eval --watch`), so a person sees the difference instead of reading it.
 
 The PNG is written only over a missing file or a chart nanopt drew (marked in the PNG's `Software` text): a
 `--chart` that names anything else is refused before any evaluation.
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.errors import ConfigError
+from nanopt.evaluate.history import loss_by_tokens, read_history
 from nanopt.train.metrics import CHART_SOFTWARE, loss_curves, read_metrics, save_chart
 
 CHART_NAME = "compare.png"
@@ -44,8 +46,9 @@ def _drawn_by_nanopt(path: Path) -> bool:
 
 
 def comparison_figure(run_dirs: list[Path], names: list[str] | None = None) -> Any:
-    """The matplotlib Figure: per run, one colour, its train loss as a line and its validation loss as dots and a
-    line, against tokens. Runs without a train record are left out (their name in the title says so)."""
+    """The matplotlib Figure: per run, one colour, its train loss as a line, its validation loss as dots and a line,
+    and its checkpoints' test loss as crosses, against tokens. Runs without a train record are left out (their name
+    in the title says so)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,9 +66,12 @@ def comparison_figure(run_dirs: list[Path], names: list[str] | None = None) -> A
         ax.plot(*train, color=color, linewidth=1, alpha=0.8, label=f"{name} train")
         if val[0]:
             ax.plot(*val, "o-", color=color, markersize=4, label=f"{name} val")
+        tested = loss_by_tokens(read_history(run))
+        if tested[0]:
+            ax.plot(*tested, "x", color=color, markersize=7, markeredgewidth=2, label=f"{name} test")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats / token)")
-    ax.set_title("train and validation loss" + (f" (no metrics: {', '.join(missing)})" if missing else ""))
+    ax.set_title("train, validation and test loss" + (f" (no metrics: {', '.join(missing)})" if missing else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()

@@ -31,6 +31,7 @@ from nanopt.data.loader import EVAL_SLICE_VERSION
 from nanopt.data.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.health import run_health
+from nanopt.evaluate.history import append_result, read_history, with_settings
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.tasks.downstream import TaskOptions
 from nanopt.evaluate.tasks.harness import HarnessOptions
@@ -39,7 +40,16 @@ from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params
 from nanopt.parsing import INT64_MAX, check_option, read_json, save_json
 from nanopt.rundir import CHECKPOINTS, EVAL_FILE, RunDir
-from nanopt.runtime import Runtime, barrier, broadcast_object, init_runtime, resolve_precision, shutdown, with_tf32
+from nanopt.runtime import (
+    Runtime,
+    barrier,
+    broadcast_object,
+    init_runtime,
+    resolve_precision,
+    runtime_on,
+    shutdown,
+    with_tf32,
+)
 from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.metrics import read_metrics
@@ -65,6 +75,7 @@ class EvalOptions:
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
     tasks: TaskOptions | None = None  # downstream tasks (nanopt.evaluate.tasks); None: none
     harness: HarnessOptions | None = None  # the same tasks scored by lm-evaluation-harness itself; None: not run
+    beside_checkpoint: bool = True  # also write eval.json into the checkpoint (the watcher leaves checkpoints/ alone)
 
     def __post_init__(self) -> None:
         self.validate()  # at construction: a bad option fails before any runtime starts or checkpoint is read
@@ -106,9 +117,11 @@ class Progress:
 # ------------------------------------------------------------------------------------------------- evaluating
 
 
-def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progress | None = None) -> list[dict]:
-    """Evaluate each run's checkpoint on its test split (all ranks under torchrun); one result per run."""
-    rt = init_runtime("auto")
+def evaluate_runs(run_dirs: Sequence[Path], opts: EvalOptions, progress: Progress | None = None,
+                  device: str | None = None) -> list[dict]:
+    """Evaluate each run's checkpoint on its test split (all ranks under torchrun, or one process on `device`); one
+    result per run."""
+    rt = init_runtime("auto") if device is None else runtime_on(device)
     try:
         if opts.harness is not None and rt.world_size > 1:
             raise ConfigError("--harness runs lm-evaluation-harness in one process, and this is one of "
@@ -138,7 +151,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
                                rt.world_size, opts.tokens)
     settings = eval_settings(trained, rt, opts, tokens=batches.targets)
     if opts.reuse:
-        previous = broadcast_object(rt, previous_result(trained.checkpoint, settings) if rt.is_main else None)
+        previous = broadcast_object(rt, previous_result(trained.checkpoint, settings, run_dir) if rt.is_main else None)
         if previous is not None:
             return {**previous, "reused": True, "notes": _notes(trained)}
 
@@ -168,7 +181,7 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
         "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    write_result(rt, result, trained, RunDir(run_dir).eval_json)
+    write_result(rt, result, trained, run_dir, opts)
     return result
 
 
@@ -259,17 +272,20 @@ def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, opts: EvalOpti
             "settings": {"samples": asdict(settings) if settings else None}, "device": str(rt.device)}
 
 
-def write_result(rt: Runtime, result: dict[str, Any], trained: TrainedModel, run_file: Path) -> None:
-    """Rank 0 writes eval.json beside the checkpoint and into the run, each atomically; every rank learns whether it
-    could, so all raise or none does. A checkpoint that a training of the run removed while it was evaluated costs
-    only the copy beside it: the result is kept in the run, with a note that says so."""
-    failure = None
+def write_result(rt: Runtime, result: dict[str, Any], trained: TrainedModel, run_dir: Path,
+                 opts: EvalOptions) -> None:
+    """Rank 0 writes eval.json beside the checkpoint (unless opts.beside_checkpoint is off) and into the run, each
+    atomically, and appends the result to the run's eval_history.jsonl; every rank learns whether it could, so all
+    raise or none does. A checkpoint that a training of the run removed while it was evaluated costs only the copy
+    beside it: the result is kept in the run, with a note that says so."""
+    failure, run_file = None, RunDir(run_dir).eval_json
     if rt.is_main:
         try:
-            if not _saved_beside(trained.checkpoint.path, result):
+            if opts.beside_checkpoint and not _saved_beside(trained.checkpoint.path, result):
                 result["notes"].append(f"{trained.checkpoint.path.name} was removed while it was evaluated "
                                        f"({_who_removed(trained)}): the result is kept in {run_file} only")
             save_json(run_file, result)
+            append_result(run_dir, result, trained.checkpoint.meta, opts)
         except OSError as exc:
             failure = (f"could not write {exc.filename or run_file}: {exc.strerror or exc}",
                        "make the run directory writable, or copy the run somewhere writable")
@@ -329,13 +345,17 @@ def _task_settings(tasks: TaskOptions | None) -> dict[str, Any] | None:
     return {**asdict(tasks), "task_data": None if tasks.task_data is None else str(tasks.task_data)}
 
 
-def previous_result(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The checkpoint's eval.json if it was made with exactly these settings."""
+def previous_result(ckpt: Checkpoint, settings: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's eval.json if it was made with exactly these settings, else the run's newest such result in
+    eval_history.jsonl (`eval --watch` writes none into the checkpoint)."""
     try:
         previous = read_json(ckpt.path / EVAL_FILE, error=CheckpointError)
-    except CheckpointError:  # none yet, or unreadable (never a named pipe's blocking read): evaluate again
-        return None
-    return previous if isinstance(previous, dict) and previous.get("settings") == settings else None
+    except CheckpointError:  # none yet, or unreadable (never a named pipe's blocking read): look in the history
+        previous = None
+    if isinstance(previous, dict) and previous.get("settings") == settings:
+        return previous
+    found = with_settings(read_history(run_dir), ckpt.step, settings)
+    return None if found is None else {k: v for k, v in found.items() if k not in ("checkpoint_id", "options")}
 
 
 def training_record(trained: TrainedModel) -> dict[str, Any]:

@@ -17,8 +17,10 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanopt.errors import NanoptError
 from nanopt.files import append_whole, replace_file, replacing
 from nanopt.rundir import RunDir
+from nanopt.train.eval_history import loss_by_tokens, read_history
 from nanopt.train.records import metrics_lines, parse_record, read_records
 from nanopt.train.task_curves import draw_task_accuracy
 
@@ -133,8 +135,9 @@ def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 
 def loss_chart(run_dir: Path) -> Any:
-    """The loss chart's matplotlib Figure (train and validation loss against tokens, recoveries and loss spikes as
-    vertical lines), or None before the first train record. The caller saves or inspects it, then closes it."""
+    """The loss chart's matplotlib Figure (train and validation loss against tokens, the checkpoints' test loss as
+    crosses, recoveries and loss spikes as vertical lines), or None before the first train record. The caller saves
+    or inspects it, then closes it."""
     records = read_metrics(run_dir)
     train, val = loss_curves(records)
     if not train[0]:
@@ -148,6 +151,9 @@ def loss_chart(run_dir: Path) -> Any:
     ax.plot(*train, label="train", linewidth=1)
     if val[0]:
         ax.plot(*val, "o-", label="val")
+    tested = _test_losses(run_dir)
+    if tested[0]:
+        ax.plot(*tested, "x", markersize=7, markeredgewidth=2, label="test (nanopt eval)")
     draw_task_accuracy(ax, records)  # downstream tasks (train.json downstream_tasks), on a right-hand axis
     for event, tokens in event_marks(records).items():
         label, color, style = CHART_EVENTS[event]
@@ -161,6 +167,15 @@ def loss_chart(run_dir: Path) -> Any:
     ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def _test_losses(run_dir: Path) -> Curve:
+    """Each evaluated checkpoint's test loss (eval_history.jsonl: `nanopt eval`, `eval --watch` beside the run); none
+    when that file cannot be read: a chart never stops a training."""
+    try:
+        return loss_by_tokens(read_history(run_dir))
+    except (NanoptError, OSError):
+        return [], []
 
 
 def save_chart(fig: Any, path: Path) -> Path:

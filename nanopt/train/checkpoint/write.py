@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +159,13 @@ def write_pointer(root: Path, name: str, target: str) -> None:
     replace_file(root / name, target + "\n")
 
 
-def remove_step_dir(path: Path) -> None:
+def remove_step_dir(path: Path, spare: Callable[[], bool] | None = None) -> bool:
     """Delete a step directory by renaming it out of the step-* names first: a process killed while deleting
     leaves a `.tmp-*` that the next start removes, never a half-deleted checkpoint that looks damaged. Only inside
-    its own checkpoints/, and never a step directory that is a link (refused)."""
+    its own checkpoints/, and never a step directory that is a link (refused).
+
+    `spare`, asked once the directory is renamed: True gives it its name back, undeleted (a reader's hold that
+    appeared meanwhile: nanopt.train.checkpoint.hold); returns whether it was deleted."""
     root, doomed = path.parent, path.with_name(f".tmp-delete-{path.name}")
     check_dir(root)  # not a link: even the rename below would change what it names
     if path.is_symlink():
@@ -171,4 +175,8 @@ def remove_step_dir(path: Path) -> None:
         path.rename(doomed)
     except OSError:  # gone already, or not ours to move: delete in place as before
         doomed = path
+    if spare is not None and doomed != path and spare():
+        doomed.rename(path)
+        return False
     remove_tree(doomed, inside=root, quiet=True)
+    return True
