@@ -42,18 +42,19 @@ RECOMPUTE_SELECTIVE = 0.05
 COMMUNICATION = {"ddp": 0.0, "zero1": 0.03, "zero2": 0.02, "fsdp": 0.06, "fsdp_offload": 0.06}
 # torchao's 8-bit AdamW step quantizes and dequantizes both moments: memory-bound work, assumed at 2% of a step.
 EIGHT_BIT_STEP = 0.02
-# What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW with
-# ddp only.
-SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp",), "muon": ("ddp", "zero2", "fsdp")}
+# What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW not with
+# zero1 (under FSDP2 each rank holds its rows' 8-bit moments: nanopt.train.lowbit).
+SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp", "zero2", "fsdp", "fsdp_offload"),
+                 "muon": ("ddp", "zero2", "fsdp")}
 # CPU offload, not overlapped: each rank's fp32 weight shards cross PCIe to the GPU in forward and again in
 # backward, every micro-step; its gradient shards come back once a step; its AdamW step runs on the CPU (reading
-# weights, gradients and both moments, writing weights and moments: 28 bytes per parameter) at the rate of torch's
-# foreach AdamW on a CPU, well below the host's memory bandwidth.
+# weights, gradients and both moments, writing weights and moments: 28 bytes per parameter, 16 with 8-bit moments)
+# at the rate of torch's foreach AdamW on a CPU, well below the host's memory bandwidth.
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, effective
 HOST_STEP_BYTES_PER_S = 2e9
 OFFLOAD_WEIGHT_BYTES_PER_MICRO_STEP = 4 + 4
 OFFLOAD_GRADIENT_BYTES = 4
-OFFLOAD_HOST_BYTES_PER_PARAM = 28
+OFFLOAD_HOST_BYTES_PER_PARAM = {"adamw": 28, "adamw8bit": 16}
 
 ASSUMPTIONS = ("slowdown against DDP without checkpointing, projected: recomputing every block +33% compute, "
                "every k-th block +33%/k, selective +5%; 8-bit AdamW +2%; exposed communication ZeRO-1 +3%, "
@@ -132,7 +133,8 @@ def _offload(run: RunConfig, rung: Rung, gpus: int, step_s: float) -> float:
     per_rank = flops.count_params(run.model).total / gpus
     micro_steps = max(1, run.train.global_batch_tokens // (run.tokens_per_micro_batch * gpus))
     copied = per_rank * (micro_steps * OFFLOAD_WEIGHT_BYTES_PER_MICRO_STEP + OFFLOAD_GRADIENT_BYTES)
-    seconds = copied / PCIE_BYTES_PER_S + per_rank * OFFLOAD_HOST_BYTES_PER_PARAM / HOST_STEP_BYTES_PER_S
+    host_step = per_rank * OFFLOAD_HOST_BYTES_PER_PARAM[rung.optimizer] / HOST_STEP_BYTES_PER_S
+    seconds = copied / PCIE_BYTES_PER_S + host_step
     return seconds / step_s
 
 
