@@ -16,7 +16,6 @@ from nanopt.config import RunConfig
 from nanopt.hardware import GPUS
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
-from nanopt.plan.estimate.layouts import SHARDING_NAMES
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
 from nanopt.plan.estimate.target import (
     Target,
@@ -29,6 +28,9 @@ from nanopt.plan.estimate.target import (
 )
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "fsdp_offload")
+# train.json's `parallelism` values as tables name them (nanopt.train.parallel).
+SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP2",
+                  "fsdp_offload": "FSDP2 + CPU offload"}
 CHECKPOINTING = (False, "selective", 2, True)
 
 # Recomputation: a block's forward is about a third of its forward and backward, so recomputing every block costs
@@ -123,7 +125,21 @@ def _row(run: RunConfig, target: Target, precision: str, gpus: int, rung: Rung, 
     fits = largest >= 1 and fits_in(memory, micro_batch, target)
     slowdown = rung.slowdown() + _offload(run, rung, gpus, step_s)
     return {**rung.settings, "name": rung.name, "fits": fits, "micro_batch_size": micro_batch,
-            "memory_bytes": memory.total(micro_batch), "host_bytes": memory.host, "slowdown": round(slowdown, 3)}
+            "max_micro_batch": largest, "memory_bytes": memory.total(micro_batch), "host_bytes": memory.host,
+            "slowdown": round(slowdown, 3)}
+
+
+def leanest(ladder: dict[str, Any]) -> dict[str, Any]:
+    """The rung that needs the least memory per GPU: what to show, with by how much it is over, when none fits."""
+    return min(ladder["rows"], key=lambda row: row["memory_bytes"])
+
+
+def set_options(settings: dict[str, Any]) -> str:
+    """A rung as `--set` options (what train, find-batch and preflight take)."""
+    checkpointing = settings["activation_checkpointing"]
+    value = str(checkpointing).lower() if isinstance(checkpointing, bool) else checkpointing
+    return (f"--set parallelism={settings['parallelism']} --set activation_checkpointing={value}"
+            f" --set optimizer={settings['optimizer']}")
 
 
 def _offload(run: RunConfig, rung: Rung, gpus: int, step_s: float) -> float:
