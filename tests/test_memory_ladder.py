@@ -453,3 +453,46 @@ def test_adamw8bit_state_under_fsdp2_is_the_sharded_bytes_the_memory_model_count
     assert all(r["codes"] >= 2 * 7 * 2 for r in ranks)  # both moments of every block matrix are 8-bit on each rank
     measured = sum(r["bytes"] for r in ranks) / 2
     assert measured == pytest.approx(predicted.optimizer, rel=0.02), (measured, predicted.optimizer)
+
+
+def test_adamw8bit_moments_that_another_world_size_cannot_hold_are_refused_in_one_line():
+    """Rows of 128 values: two rows make a 256-value block. On 2 ranks a 128-row projection splits into 64 rows each
+    (8-bit); on 3 ranks into 43, 43 and 42 (fp32): the blocks 2 ranks stored cannot be dealt out to 3, and the
+    resume is refused before anything is read, saying why and what to do; the same layout passes."""
+    from nanopt.errors import CheckpointError
+    from nanopt.train.lowbit import check_stored_moments, quantizes
+
+    shape = (128, 128)
+    assert quantizes(shape, 2) and not quantizes(shape, 3)
+    stored_8bit = {f"optimizer.state.w.{moment}_{part}" for moment in ("exp_avg", "exp_avg_sq")
+                   for part in ("codes", "scale", "qmap")} | {"optimizer.state.w.step"}
+    held_fp32 = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(shape),
+                                 "exp_avg_sq": torch.zeros(shape)}}}
+    with pytest.raises(CheckpointError, match=r"'w' is stored in 8 bits, and 3 rank\(s\) hold it in fp32") as refused:
+        check_stored_moments(held_fp32, stored_8bit, "ckpt", 3)
+    assert "resume on the number of ranks that wrote the checkpoint" in refused.value.hint
+    held_8bit = {"state": {"w": {key.removeprefix("optimizer.state.w."): torch.zeros(1) for key in stored_8bit}}}
+    check_stored_moments(held_8bit, stored_8bit, "ckpt", 2)
+    stored_fp32 = {f"optimizer.state.w.{name}" for name in held_fp32["state"]["w"]}
+    with pytest.raises(CheckpointError, match=r"is stored in fp32, and 2 rank\(s\) hold it in 8 bits"):
+        check_stored_moments(held_8bit, stored_fp32, "ckpt", 2)
+
+
+@pytest.mark.parametrize("shape", [(512, 16), (320, 16), (100, 48), (4096,), (4352,), (64, 64), (63, 64), (128, 896),
+                                   (50257, 768), (10, 10)])
+def test_one_process_quantizes_what_torchao_does_and_fsdp2_shards_whole_blocks(shape: tuple):
+    """On one process a moment is 8-bit exactly when torchao's own AdamW8bit makes it so (4096 values or more, a
+    multiple of 256); on more ranks only where every shard is a whole number of blocks, as FSDP2 splits the rows."""
+    import math
+
+    from nanopt.train.lowbit import BLOCK, quantizes, rows_per_block_group, shard_rows
+
+    numel = math.prod(shape)
+    assert quantizes(shape, 1) == (numel >= 4096 and numel % 256 == 0)
+    row = numel // shape[0]
+    for world in (2, 3, 4, 8):
+        rows = shard_rows(shape[0], world)
+        assert sum(rows) == shape[0] and rows == [len(chunk) for chunk in torch.arange(shape[0]).chunk(world)] + \
+            [0] * (world - len(torch.arange(shape[0]).chunk(world)))
+        if quantizes(shape, world):
+            assert all(r > 0 and r * row % BLOCK == 0 for r in rows) and rows_per_block_group(shape) * row % BLOCK == 0

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from nanopt.errors import ConfigError
+from nanopt.errors import CheckpointError, ConfigError
 
 PARTS = ("codes", "scale", "qmap")
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}
@@ -122,12 +122,13 @@ def _stored_parts(moment: torch.Tensor) -> dict[str, torch.Tensor]:
     scale = local.scale.view(local.shape[0] // group, per_group)
     if not isinstance(moment, DTensor):
         return {"codes": local.codes, "scale": scale, "qmap": local.qmap}
-    mesh, placements = moment.device_mesh, moment.placements
+    mesh, placements, device = moment.device_mesh, moment.placements, local.codes.device
     scale_shape = (moment.shape[0] // group, per_group)
+    # Back to the moment's device: DTensor moves a local tensor to its mesh's (CPU offload keeps it on the CPU).
     return {"codes": DTensor.from_local(local.codes, mesh, placements, run_check=False, shape=moment.shape,
-                                        stride=moment.stride()),
+                                        stride=moment.stride()).to(device),
             "scale": DTensor.from_local(scale, mesh, placements, run_check=False, shape=scale_shape,
-                                        stride=(per_group, 1)),
+                                        stride=(per_group, 1)).to(device),
             "qmap": local.qmap}
 
 
@@ -168,3 +169,22 @@ def quantized_state(state: dict[str, Any]) -> dict[str, Any]:
         entries[name] = rebuilt
     groups = [{**group, "lr": torch.tensor(float(group["lr"]))} for group in state["param_groups"]]
     return {**state, "state": entries, "param_groups": groups}
+
+
+def check_stored_moments(template: dict[str, Any], stored: set[str], where: str, world: int) -> None:
+    """CheckpointError, before anything is read, when a moment this run holds in 8 bits is stored in fp32 or the
+    reverse: a shape whose rows split into whole blocks on the world size that wrote the checkpoint but not on
+    `world` ranks (or the reverse), whose blocks cannot be dealt out to these shards. `template`: the optimizer
+    part of a sharded state's tensors ({"state": {parameter: {name: tensor}}}); `stored`: the checkpoint's keys."""
+    for name, entry in template["state"].items():
+        for moment in SIGNED:
+            held_8bit = f"{moment}_codes" in entry
+            if not (held_8bit or moment in entry):
+                continue
+            if f"optimizer.state.{name}.{moment}{'_codes' if held_8bit else ''}" not in stored:
+                raise CheckpointError(
+                    f"{where}: the 8-bit AdamW {moment} of '{name}' is stored "
+                    f"{'in fp32' if held_8bit else 'in 8 bits'}, and {world} rank(s) hold it "
+                    f"{'in 8 bits' if held_8bit else 'in fp32'} (its rows split into whole 256-value blocks on one "
+                    "world size and not on the other)", "resume on the number of ranks that wrote the checkpoint, "
+                    "or on one that splits every parameter's rows evenly")
