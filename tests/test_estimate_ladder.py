@@ -77,8 +77,13 @@ def test_an_8b_llama_on_eight_40gb_gpus_needs_sharded_weights(cli_in_process, tm
     assert 9 * params > 40 * GIB
     assert not any(r["fits"] for r in ladder["rows"] if r["parallelism"] in ("ddp", "zero1"))
     assert ladder["recommended"]["parallelism"] in ("zero2", "fsdp", "fsdp_offload")
+    # Host memory per GPU: weights, gradients and the moments (8 bytes a parameter, 8-bit: 2 + 1/32) over 8 ranks.
+    host = {"adamw": 16, "adamw8bit": 10 + 1 / 32}
     offload = [r for r in ladder["rows"] if r["parallelism"] == "fsdp_offload"]
-    assert all(r["host_bytes"] == pytest.approx(16 * params / 8, rel=1e-6) for r in offload)  # host memory per GPU
+    assert {r["optimizer"] for r in offload} == set(host)  # 8-bit AdamW is offered sharded and offloaded too
+    assert all(r["host_bytes"] == pytest.approx(host[r["optimizer"]] * params / 8, rel=1e-6) for r in offload)
+    assert {r["optimizer"] for r in ladder["rows"] if r["parallelism"] in ("zero2", "fsdp")} == set(host)
+    assert not any(r["optimizer"] == "adamw8bit" for r in ladder["rows"] if r["parallelism"] == "zero1")
 
 
 def test_gpt2_small_on_a_t4_trains_in_fp16_with_plain_ddp(cli_in_process):

@@ -49,21 +49,27 @@ def test_a_run_that_does_not_fit_at_micro_batch_1_gets_remedies_that_work(preset
     assert fit["remedies"], fit
     for remedy in fit["remedies"]:
         assert remedy_fits(preset, remedy, memory), remedy
-    fsdp = [r for r in fit["remedies"] if r["set"].get("parallelism") == "fsdp"]
-    assert len(fsdp) == 1 and f"{fsdp[0]['num_gpus']} GPUs" in fsdp[0]["text"]
-    fewer = {**fsdp[0], "num_gpus": fsdp[0]["num_gpus"] - 1}  # the fewest GPUs that fit: one fewer does not
-    assert fewer["num_gpus"] < 1 or not remedy_fits(preset, fewer, memory)
+    [rung] = [r for r in fit["remedies"] if "memory ladder recommends" in r["text"]]
+    ladder = estimate(load_run(RUNS / preset), EstimateOptions(gpu_memory=memory, num_gpus=rung["num_gpus"]))["ladder"]
+    assert ladder["recommended"]["name"] in rung["text"] and f"{rung['num_gpus']} GPU" in rung["text"]
+    assert {key: ladder["recommended"][key] for key in rung["set"] if key != "micro_batch_size"}.items() <= \
+        rung["set"].items()
+    if rung["num_gpus"] > 1:  # more GPUs than the run's: the fewest on which FSDP2 fits, recomputing every block
+        fewer = {"set": {"parallelism": "fsdp", "activation_checkpointing": True, "micro_batch_size": 1},
+                 "num_gpus": rung["num_gpus"] - 1}
+        assert fewer["num_gpus"] < 2 or not remedy_fits(preset, fewer, memory)
 
     table = cli_in_process("estimate", RUNS / preset, "--gpu-memory", f"{memory // GIB}GiB")
-    assert "does not fit" in table.stdout and "FSDP" in table.stdout
+    assert "does not fit" in table.stdout and "the memory ladder recommends" in table.stdout
 
 
-def test_activation_checkpointing_is_offered_when_it_is_what_fits():
+def test_the_remedy_on_the_runs_gpus_is_the_ladders_recommendation():
     run = load_run(RUNS / "gpt2-small")
-    fit = estimate(run, EstimateOptions(gpu_memory=int(3.25 * GIB)))["fit"]
-    checkpointing = [r for r in fit["remedies"] if r["set"].get("activation_checkpointing")]
-    assert len(checkpointing) == 1 and checkpointing[0]["num_gpus"] == 1
-    assert remedy_fits("gpt2-small", checkpointing[0], int(3.25 * GIB))
+    report = estimate(run, EstimateOptions(gpu_memory=int(3.25 * GIB)))
+    [rung] = [r for r in report["fit"]["remedies"] if "memory ladder recommends" in r["text"]]
+    assert rung["num_gpus"] == 1
+    assert report["ladder"]["recommended"]["name"] in rung["text"]
+    assert remedy_fits("gpt2-small", rung, int(3.25 * GIB))
     assert not remedy_fits("gpt2-small", {"set": {}, "num_gpus": 1}, int(3.25 * GIB))
 
 

@@ -157,7 +157,7 @@ def test_zero1_shards_the_optimizer_state_and_lists_every_parameter(tmp_path: Pa
     ({"parallelism": "zero3"}, "parallelism"),
     ({"optimizer": "muon", "parallelism": "zero1"}, "\"muon\" does not run with \"parallelism\": \"zero1\""),
     ({"optimizer": "muon", "parallelism": "fsdp_offload"}, "\"parallelism\": \"fsdp_offload\""),
-    ({"optimizer": "adamw8bit", "parallelism": "fsdp"}, "\"adamw8bit\" runs with \"parallelism\": \"ddp\" only"),
+    ({"optimizer": "adamw8bit", "parallelism": "zero1"}, "\"adamw8bit\" does not run with \"parallelism\": \"zero1\""),
 ])
 def test_bad_ladder_settings_are_one_line_errors(tmp_path: Path, tiny_dataset: Path, cli_in_process, settings: dict,
                                                  message: str):
@@ -367,3 +367,132 @@ def test_adamw8bit_state_is_the_bytes_the_memory_model_counts():
     predicted = states_only(params, 1, adam_bytes=ADAM_8BIT_BYTES, parallelism="ddp").optimizer
     assert _storage_bytes(tensors) == pytest.approx(predicted, rel=0.02)
     assert _storage_bytes(tensors) < 0.3 * 8 * params  # against AdamW's 8 bytes a parameter
+
+
+# Rows of 256 values (hidden_size 256): every matrix's moments are 8-bit on 1, 2 and 4 ranks, in the same blocks.
+EIGHT_BIT_MODEL = {**MEASURED_MODEL, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+EIGHT_BIT_HANG_GUARD_S = 600
+
+
+def _codes_in_index(run: Path) -> dict[str, tuple]:
+    """{key: (shape, dtype)} of the 8-bit codes the latest (sharded) checkpoint's index lists."""
+    from nanopt.train import checkpoint as ckpt
+    from nanopt.train import sharded
+
+    specs = sharded.stored_specs(ckpt.resolve(run, "latest").path)
+    return {key: spec for key, spec in specs.items() if key.endswith("_codes")}
+
+
+@pytest.mark.slow
+def test_adamw8bit_under_fsdp2_resumes_exactly_after_a_kill_and_on_another_world_size(tmp_path: Path,
+                                                                                      tiny_dataset: Path):
+    """FSDP2's ranks each quantize their own rows; the checkpoint holds the 8-bit codes and scales sharded by rows,
+    and a kill on 2 ranks resumes bit for bit on 2, and on 4 ranks (zero2: another FSDP2 layout) to the same
+    losses within the order of floating-point sums."""
+    pytest.importorskip("torchao")
+    settings = {**EIGHT_BIT, "parallelism": "fsdp"}
+    straight = make_run(tmp_path, tiny_dataset, "straight", model=EIGHT_BIT_MODEL, **settings)
+    run_ranks(train_in_rank, straight, None, env=HIDE_CUDA)
+    same = make_run(tmp_path, tiny_dataset, "same", model=EIGHT_BIT_MODEL, **settings)
+    assert killed_then_resumed(same, 2, 2) == losses(straight)
+    codes = _codes_in_index(same)
+    assert "optimizer.state.layers.0.mlp.down_proj.weight.exp_avg_codes" in codes, sorted(codes)
+    assert all(dtype == "uint8" for _, dtype in codes.values())
+    other = make_run(tmp_path, tiny_dataset, "other", model=EIGHT_BIT_MODEL, **settings)
+    with pytest.raises(RankFailed):
+        run_ranks(train_in_rank, other, KILLED_AT, env=HIDE_CUDA)
+    assert max(losses(other)) == KILLED_AT - 1
+    # Four ranks each compile torchao's step for every shape of shard on a loaded CPU: a longer guard against hangs.
+    run_ranks(train_changed_in_rank, other, {"parallelism": "zero2"}, world_size=4, env=HIDE_CUDA,
+              timeout=EIGHT_BIT_HANG_GUARD_S)
+    assert_like(losses(straight), losses(other), "adamw8bit fsdp 2 -> zero2 4 ranks")
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The plain tensors behind an optimizer's state: an 8-bit moment's codes, scales and code book (DTensor: this
+    rank's)."""
+    tensors = []
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if hasattr(local, "codes"):
+                tensors += [local.codes, local.scale, local.qmap]
+            elif local.dim() > 0:
+                tensors.append(local)
+    return tensors
+
+
+def eight_bit_state_in_rank(run: Path, parallelism: str) -> dict:
+    """The bytes of this rank's 8-bit AdamW state after one step of `parallelism`, and how many moments are 8-bit."""
+    from nanopt.runtime import init_runtime
+    from nanopt.train.session import build_session
+    from nanopt.train.step import step
+
+    s = build_session(load_run(run, {"parallelism": parallelism}), init_runtime("fp32"))
+    step(s)
+    tensors = _state_tensors(s.optimizer)
+    return {"bytes": _storage_bytes(tensors), "codes": sum(t.dtype == torch.uint8 for t in tensors)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["fsdp", "fsdp_offload"])
+def test_adamw8bit_state_under_fsdp2_is_the_sharded_bytes_the_memory_model_counts(
+        tmp_path: Path, tiny_dataset: Path, parallelism: str):
+    """Each of 2 ranks holds half the 8-bit moments (host memory under offload): the memory model's 2 + 1/32 bytes
+    a parameter over the world size, against the storage really allocated, within 2%."""
+    pytest.importorskip("torchao")
+    from nanopt.model.memory import estimate_memory
+
+    model = {**EIGHT_BIT_MODEL, "hidden_size": 512, "intermediate_size": 2048}  # code books: a fraction of a %
+    run = make_run(tmp_path, tiny_dataset, "run", model=model, optimizer="adamw8bit",
+                   **{**SHORT, "global_batch_tokens": 128})
+    cfg = load_run(run)
+    ranks = run_ranks(eight_bit_state_in_rank, run, parallelism, env=HIDE_CUDA)
+    predicted = estimate_memory(cfg.model, cfg.seq_len, precision="fp32", compiled=False, optimizer="adamw8bit",
+                                activation_checkpointing=False, parallelism="fsdp", world_size=2, cuda=False)
+    assert all(r["codes"] >= 2 * 7 * 2 for r in ranks)  # both moments of every block matrix are 8-bit on each rank
+    measured = sum(r["bytes"] for r in ranks) / 2
+    assert measured == pytest.approx(predicted.optimizer, rel=0.02), (measured, predicted.optimizer)
+
+
+def test_adamw8bit_moments_that_another_world_size_cannot_hold_are_refused_in_one_line():
+    """Rows of 128 values: two rows make a 256-value block. On 2 ranks a 128-row projection splits into 64 rows each
+    (8-bit); on 3 ranks into 43, 43 and 42 (fp32): the blocks 2 ranks stored cannot be dealt out to 3, and the
+    resume is refused before anything is read, saying why and what to do; the same layout passes."""
+    from nanopt.errors import CheckpointError
+    from nanopt.train.lowbit import check_stored_moments, quantizes
+
+    shape = (128, 128)
+    assert quantizes(shape, 2) and not quantizes(shape, 3)
+    stored_8bit = {f"optimizer.state.w.{moment}_{part}" for moment in ("exp_avg", "exp_avg_sq")
+                   for part in ("codes", "scale", "qmap")} | {"optimizer.state.w.step"}
+    held_fp32 = {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(shape),
+                                 "exp_avg_sq": torch.zeros(shape)}}}
+    with pytest.raises(CheckpointError, match=r"'w' is stored in 8 bits, and 3 rank\(s\) hold it in fp32") as refused:
+        check_stored_moments(held_fp32, stored_8bit, "ckpt", 3)
+    assert "resume on the number of ranks that wrote the checkpoint" in refused.value.hint
+    held_8bit = {"state": {"w": {key.removeprefix("optimizer.state.w."): torch.zeros(1) for key in stored_8bit}}}
+    check_stored_moments(held_8bit, stored_8bit, "ckpt", 2)
+    stored_fp32 = {f"optimizer.state.w.{name}" for name in held_fp32["state"]["w"]}
+    with pytest.raises(CheckpointError, match=r"is stored in fp32, and 2 rank\(s\) hold it in 8 bits"):
+        check_stored_moments(held_8bit, stored_fp32, "ckpt", 2)
+
+
+@pytest.mark.parametrize("shape", [(512, 16), (320, 16), (100, 48), (4096,), (4352,), (64, 64), (63, 64), (128, 896),
+                                   (50257, 768), (10, 10)])
+def test_one_process_quantizes_what_torchao_does_and_fsdp2_shards_whole_blocks(shape: tuple):
+    """On one process a moment is 8-bit exactly when torchao's own AdamW8bit makes it so (4096 values or more, a
+    multiple of 256); on more ranks only where every shard is a whole number of blocks, as FSDP2 splits the rows."""
+    import math
+
+    from nanopt.train.lowbit import BLOCK, quantizes, rows_per_block_group, shard_rows
+
+    numel = math.prod(shape)
+    assert quantizes(shape, 1) == (numel >= 4096 and numel % 256 == 0)
+    row = numel // shape[0]
+    for world in (2, 3, 4, 8):
+        rows = shard_rows(shape[0], world)
+        assert sum(rows) == shape[0] and rows == [len(chunk) for chunk in torch.arange(shape[0]).chunk(world)] + \
+            [0] * (world - len(torch.arange(shape[0]).chunk(world)))
+        if quantizes(shape, world):
+            assert all(r > 0 and r * row % BLOCK == 0 for r in rows) and rows_per_block_group(shape) * row % BLOCK == 0

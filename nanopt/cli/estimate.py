@@ -49,17 +49,14 @@ Examples:
 
   nanopt estimate runs/gpt2-small --compare-gpus --num-gpus 8      # every GPU of the table, cheapest per token first
 
-The memory verdict says whether the run fits at its micro_batch_size and, if not, which settings would (a smaller
-micro-batch, activation_checkpointing, FSDP across how many GPUs), each checked with the same memory model.
-
-The parallelism table gives, for 1, 2, 4, 8, 16, 32 and 64 GPUs (and --num-gpus), the cheapest layout that fits the
-run's micro-batch on --gpu: DDP, then DDP + activation checkpointing, then FSDP2, then FSDP2 + activation
-checkpointing, or by how much nothing fits; and whether train.json's own layout fits. A warning names the layout to
-set when train.json's does not fit at --num-gpus while another would.
-
 The memory ladder lists every rung at --num-gpus (parallelism ddp, zero1, zero2, fsdp, fsdp_offload, each with
-activation checkpointing off, selective, every 2nd block or all) with its memory per GPU and projected slowdown
-against DDP, and recommends the fastest that fits, with the --set options for train, find-batch and preflight.
+activation checkpointing off, selective, every 2nd block or all, and 8-bit AdamW moments for an AdamW run) with its
+memory per GPU and projected slowdown against DDP, and recommends the fastest that fits, with the --set options for
+train, find-batch and preflight. It is the one source of layout advice: the parallelism table gives its
+recommendation for 1, 2, 4, 8, 16, 32 and 64 GPUs (and --num-gpus), or by how much nothing fits, and whether
+train.json's own layout fits; the memory verdict says whether the run fits at its micro_batch_size and, if not, which
+settings would (a smaller micro-batch, the ladder's recommendation, or the fewest GPUs where a rung fits and the
+ladder's recommendation there), each checked with the same memory model.
 
 Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
 measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
@@ -206,8 +203,6 @@ def render(r: dict[str, Any]) -> None:
     _print_verdict(r["fit"])
     if r["compare_gpus"] is not None:
         print_compared(r["compare_gpus"])
-    if r["parallelism"] is not None and r["parallelism"]["warning"]:
-        out.print(f"[bold yellow]warning:[/] {escape(r['parallelism']['warning'])}", soft_wrap=True)
     if r["attention"] is not None and r["attention"]["warning"]:
         out.print(f"[bold yellow]warning:[/] {escape(r['attention']['warning'])}", soft_wrap=True)
 
@@ -306,35 +301,32 @@ def _memory_table(r: dict[str, Any]) -> Table:
 
 
 def _print_parallelism(p: dict[str, Any]) -> None:
-    """One line per GPU count: the cheapest layout that fits, its memory per GPU, and train.json's own layout."""
+    """One line per GPU count: the memory ladder's recommendation there, its memory per GPU, and train.json's own
+    layout."""
     out = console()
-    table = Table(title=f"parallelism: the cheapest layout that fits {fmt.size(p['gpu_memory_bytes'])} per GPU",
+    table = Table(title=f"parallelism: the memory ladder's recommendation for each GPU count of "
+                        f"{fmt.size(p['gpu_memory_bytes'])}",
                   title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0),
-                  caption=f"train.json: its own layout, {_short(p['run_layout'])}; ckpt: activation checkpointing; "
-                          "none: none fits (the leanest shown); free: headroom (-: over); *: --num-gpus")
-    for header in ("GPUs", "layout", "per GPU", "free", "micro-batch", "train.json"):
-        table.add_column(header, justify="right" if header in ("GPUs", "per GPU", "free") else "left", no_wrap=True)
+                  caption=f"train.json: its own layout, {p['run_layout']['name']}; ckpt: activation checkpointing; "
+                          "none: no rung fits (the leanest shown); free: headroom (-: over); *: --num-gpus")
+    for header in ("GPUs", "layout", "per GPU", "free", "micro-batch", "slowdown", "train.json"):
+        table.add_column(header, justify="left" if header in ("layout", "micro-batch", "train.json") else "right",
+                         no_wrap=True)
     for row in p["rows"]:
         own, this_run = row["run_layout"], row["gpus"] == p["run_gpus"]
+        name = escape(row["layout"]["name"])
         table.add_row(
             f"{row['gpus']} *" if this_run else str(row["gpus"]),
-            _short(row["layout"]) if row["fits"] else f"[red]none[/] ({_short(row['layout'])})",
+            name if row["fits"] else f"[red]none[/] ({name})",
             fmt.size(row["memory_bytes"]), _signed(row["headroom_bytes"]),
-            f"{row['micro_batch_size']} (max {row['max_micro_batch']})",
+            f"{row['micro_batch_size']} (max {row['max_micro_batch']})", f"{row['slowdown']:.2f}x",
             "fits" if own["fits"] else f"[red]{_signed(p['gpu_memory_bytes'] - own['memory_bytes'])}[/]",
             style="bold" if this_run else None)
     out.print(table)
     for row in p["rows"]:
         if row["note"]:
             out.print(f"  {escape(str(row['gpus']))} GPUs: {escape(row['note'])}", soft_wrap=True)
-
-
-def _short(layout: dict[str, Any]) -> str:
-    """A layout's name as the compact table gives it (its full name is in --json and in the warning)."""
-    from nanopt.plan.estimate.layouts import SHARDING_NAMES
-
-    return SHARDING_NAMES[layout["parallelism"]] + (" + ckpt" if layout["activation_checkpointing"] else "")
 
 
 def _signed(free: int) -> str:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import console
+from nanopt.plan.estimate.ladder import set_options
 
 
 def checkpointing_words(setting: bool | int | str) -> str:
@@ -17,14 +18,6 @@ def checkpointing_words(setting: bool | int | str) -> str:
     if isinstance(setting, bool) or setting == 1:
         return "on" if setting else "off"
     return f"every {setting} blocks" if isinstance(setting, int) else setting
-
-
-def set_options(settings: dict[str, Any]) -> str:
-    """The rung as `--set` options (what train, find-batch and preflight take)."""
-    checkpointing = settings["activation_checkpointing"]
-    value = str(checkpointing).lower() if isinstance(checkpointing, bool) else checkpointing
-    return (f"--set parallelism={settings['parallelism']} --set activation_checkpointing={value}"
-            f" --set optimizer={settings['optimizer']}")
 
 
 def print_ladder(ladder: dict[str, Any]) -> None:

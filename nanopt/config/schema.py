@@ -181,10 +181,11 @@ class TrainConfig:
         if type(checkpointing) is int and checkpointing < 1:
             raise ConfigError(f"{source}: key 'activation_checkpointing': {checkpointing} is not a block interval",
                               "use false, true, \"selective\" or k >= 1 (every k-th block)")
-        if self.optimizer == "adamw8bit" and self.parallelism != "ddp":
-            raise ConfigError(f"{source}: \"optimizer\": \"adamw8bit\" runs with \"parallelism\": \"ddp\" only, "
-                              f"not \"{self.parallelism}\" (its sharded state is not checkpointed yet)",
-                              "use \"parallelism\": \"ddp\", or \"optimizer\": \"adamw\"")
+        if self.optimizer == "adamw8bit" and self.parallelism == "zero1":
+            raise ConfigError(f"{source}: \"optimizer\": \"adamw8bit\" does not run with \"parallelism\": \"zero1\" "
+                              "(ZeroRedundancyOptimizer steps a torch optimizer per rank, and nanopt does not convert "
+                              "its state to torchao's 8-bit moments)", "use \"zero2\", which shards the 8-bit moments "
+                              "and the gradients too, or \"ddp\"")
         if self.optimizer == "muon" and self.parallelism in ("zero1", "fsdp_offload"):
             raise ConfigError(f"{source}: \"optimizer\": \"muon\" does not run with \"parallelism\": "
                               f"\"{self.parallelism}\"", "use \"ddp\", \"zero2\" or \"fsdp\" with muon, or adamw")

@@ -35,7 +35,7 @@ from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
 from nanopt.train.fp8 import apply_fp8
-from nanopt.train.lowbit import plain_state, quantized_state
+from nanopt.train.lowbit import is_adamw8bit, plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 from nanopt.train.recompute import apply_activation_checkpointing
 from nanopt.train.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
@@ -204,14 +204,10 @@ def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | Mu
                              optim_state_dict=_live(optimizer, state["optimizer"]))
 
 
-def _is_8bit(optimizer: Any) -> bool:
-    return type(optimizer).__name__ == "AdamW8bit"  # torchao's: imported only when train.json asks for it
-
-
 def _stored(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
     """The optimizer state as a checkpoint stores it: 8-bit moments as their plain tensors (nanopt.train.lowbit)."""
-    return plain_state(state) if _is_8bit(optimizer) else state
+    return plain_state(state) if is_adamw8bit(optimizer) else state
 
 
 def _live(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-    return quantized_state(state) if _is_8bit(optimizer) else state
+    return quantized_state(state) if is_adamw8bit(optimizer) else state

@@ -27,6 +27,7 @@ from nanopt.files import make_dir
 from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import sharded
+from nanopt.train.lowbit import check_stored_moments, is_adamw8bit
 from nanopt.train.metrics import read_metrics
 from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state, load_sharded_state, sharded_state
 from nanopt.train.session import Session
@@ -152,6 +153,9 @@ def _load_sharded(s: Session, found: ckpt.Checkpoint) -> None:
     if s.rt.distributed and s.checkpoint_group is None:
         s.checkpoint_group = new_cpu_group(s.rt)
     filled = sharded.tensors_only(template)
+    if is_adamw8bit(s.optimizer):
+        check_stored_moments(filled["optimizer"], set(sharded.stored_specs(found.path)), str(found.path),
+                             s.rt.world_size)
     sharded.load(filled, found.path, s.checkpoint_group)
     optimizer = {"state": filled["optimizer"]["state"], "param_groups": found.meta["optimizer_param_groups"]}
     load_sharded_state(s.prepared, s.optimizer, {"model": filled["model"], "optimizer": optimizer})

@@ -1,5 +1,7 @@
 """The verdict: does the run fit the device at its micro-batch, and if not, the changes that would make it fit
-(a smaller micro-batch, activation checkpointing, FSDP2 over enough GPUs), cheapest first."""
+(a smaller micro-batch; the memory ladder's recommendation on the run's GPUs, or else on the fewest GPUs where
+FSDP2 fits), cheapest first. The rungs named are the ladder's own (nanopt.plan.estimate.ladder): the verdict, the
+parallelism table and the ladder never advise two different things."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.model import memory as memory_model
+from nanopt.plan.estimate.ladder import Rung, ladder, set_options
 from nanopt.plan.estimate.target import Target, dividing_micro_batch, fits_in, gib, run_memory
 
 # FSDP is suggested across at most this many GPUs; a run that needs more is told to shrink instead.
 MAX_FSDP_GPUS = 4096
 
 
-def fit(run: RunConfig | None, world: int, target: Target, precision: str, params: int) -> dict[str, Any]:
+def fit(run: RunConfig | None, world: int, target: Target, precision: str, params: int,
+        mfu: float) -> dict[str, Any]:
     """Whether the run fits the memory of each GPU (or of this machine), and the changes that would make it fit,
     each checked with the same memory model: `set` holds the train.json values (for --set) and `num_gpus` the GPU
     count it needs."""
@@ -35,8 +39,7 @@ def fit(run: RunConfig | None, world: int, target: Target, precision: str, param
         verdict = (f"does not fit in {gib(memory)} {target.per_device} even at micro-batch 1: it needs "
                    f"{gib(current.total(1))}")
     remedies = [remedy for remedy in (_smaller_micro_batch(run, world, largest),
-                                      _checkpointing(run, world, target, precision, current, largest),
-                                      _fsdp(run, world, target, precision, largest)) if remedy]
+                                      _rung(run, world, target, precision, mfu)) if remedy]
     if not remedies:
         verdict += ("; no setting nanopt has makes it fit: fewer parameters, a shorter seq_len or a device with "
                     "more memory")
@@ -52,39 +55,41 @@ def _smaller_micro_batch(run: RunConfig, world: int, largest: int) -> dict[str, 
                     "--write` measures the largest that fits)"}
 
 
-def _checkpointing(run: RunConfig, world: int, target: Target, precision: str,
-                   current: memory_model.MemoryEstimate, largest_now: int) -> dict[str, Any] | None:
-    """Activation checkpointing, when it is off and turning it on fits a larger micro-batch than now."""
-    if run.train.activation_checkpointing:
-        return None
-    checkpointed = run_memory(run, target, precision, world, activation_checkpointing=True)
-    largest = checkpointed.max_micro_batch(target.memory_bytes)
-    if largest <= largest_now:
-        return None
-    size = dividing_micro_batch(run, world, min(largest, run.train.micro_batch_size))
-    settings: dict[str, Any] = {"activation_checkpointing": True}
-    if size != run.train.micro_batch_size:
-        settings["micro_batch_size"] = size
-    return {"set": settings, "num_gpus": world,
-            "text": f"activation_checkpointing true: activations per sequence "
-                    f"{gib(current.activations_per_sequence)} -> {gib(checkpointed.activations_per_sequence)} "
-                    f"(recomputed in backward, about a third more compute); micro-batch {size} fits"}
-
-
-def _fsdp(run: RunConfig, world: int, target: Target, precision: str, largest_now: int) -> dict[str, Any] | None:
-    """The fewest GPUs (two or more; from the run's own count for a DDP run, more than it for an FSDP one) across
-    which FSDP's sharded weights, gradients and optimizer state fit the run's micro-batch, or else, when not even
-    micro-batch 1 fits now, micro-batch 1; with activation checkpointing when the activations alone are too large."""
+def _rung(run: RunConfig, world: int, target: Target, precision: str, mfu: float) -> dict[str, Any] | None:
+    """The ladder's recommendation on the run's GPUs when it changes train.json's layout (a smaller micro-batch
+    alone is the remedy before); when no rung fits there, on the fewest GPUs where one does (_more_gpus)."""
     if target.is_cpu:
         return None
-    at_least = max(2, world if run.train.parallelism == "ddp" else world + 1)
-    sizes = (run.train.micro_batch_size,) if largest_now >= 1 else (run.train.micro_batch_size, 1)
-    for checkpointing in dict.fromkeys((run.train.activation_checkpointing, True)):
-        for size in dict.fromkeys(sizes):
-            gpus = _fewest_fsdp_gpus(run, target, precision, size, checkpointing, at_least)
-            if gpus is not None:
-                return _fsdp_remedy(run, target, precision, gpus, checkpointing)
-    return None
+    chosen = ladder(run, target, precision, world, mfu)["recommended"]
+    if chosen is None:
+        return _more_gpus(run, world, target, precision, mfu)
+    own = Rung(run.train.parallelism, run.train.activation_checkpointing, run.train.optimizer)
+    return None if chosen["name"] == own.name else _ladder_remedy(run, world, chosen, more_gpus=False)
+
+
+def _ladder_remedy(run: RunConfig, world: int, chosen: dict[str, Any], more_gpus: bool) -> dict[str, Any]:
+    """A rung of the ladder (`chosen`, a row of its table) on `world` GPUs as a remedy: the train.json values it
+    changes, and the --set options of all of them."""
+    own = Rung(run.train.parallelism, run.train.activation_checkpointing, run.train.optimizer)
+    settings = {key: chosen[key] for key in ("parallelism", "activation_checkpointing", "optimizer")
+                if chosen[key] != own.settings[key]}
+    if chosen["micro_batch_size"] != run.train.micro_batch_size:
+        settings["micro_batch_size"] = chosen["micro_batch_size"]
+    gpus = f"{world} GPU{'s' if world != 1 else ''}"
+    where = f"--num-gpus {world}, " if more_gpus else ""
+    return {"set": settings, "num_gpus": world,
+            "text": f"on {gpus} the memory ladder recommends {chosen['name']} ({where}{set_options(chosen)}): "
+                    f"{gib(chosen['memory_bytes'])} per GPU at micro-batch {chosen['micro_batch_size']}, "
+                    f"{chosen['slowdown']:.2f}x DDP's projected step"}
+
+
+def _more_gpus(run: RunConfig, world: int, target: Target, precision: str, mfu: float) -> dict[str, Any] | None:
+    """When no rung fits on the run's GPUs: the fewest GPUs (more than the run's, two or more) across which FSDP2's
+    sharded weights, gradients and optimizer state fit micro-batch 1 with every block recomputed, and the ladder's
+    recommendation there."""
+    gpus = _fewest_fsdp_gpus(run, target, precision, 1, True, max(2, world + 1))
+    chosen = None if gpus is None else ladder(run, target, precision, gpus, mfu)["recommended"]
+    return None if chosen is None else _ladder_remedy(run, gpus, chosen, more_gpus=True)
 
 
 def _fewest_fsdp_gpus(run: RunConfig, target: Target, precision: str, micro_batch: int, checkpointing: bool,
@@ -102,23 +107,6 @@ def _fewest_fsdp_gpus(run: RunConfig, target: Target, precision: str, micro_batc
     while gpus <= MAX_FSDP_GPUS and not fits(gpus):  # the per-GPU shares round up: at most a step or two
         gpus += 1
     return gpus if gpus <= MAX_FSDP_GPUS else None
-
-
-def _fsdp_remedy(run: RunConfig, target: Target, precision: str, gpus: int, checkpointing: bool) -> dict[str, Any]:
-    sharded = run_memory(run, target, precision, gpus, activation_checkpointing=checkpointing, parallelism="fsdp")
-    size = dividing_micro_batch(run, gpus, min(sharded.max_micro_batch(target.memory_bytes),
-                                                run.train.micro_batch_size))
-    settings: dict[str, Any] = {"parallelism": "fsdp"}
-    if checkpointing and not run.train.activation_checkpointing:
-        settings["activation_checkpointing"] = True
-    if size != run.train.micro_batch_size:
-        settings["micro_batch_size"] = size
-    with_checkpointing = ", with activation checkpointing" if "activation_checkpointing" in settings else ""
-    return {"set": settings, "num_gpus": gpus,
-            "text": f"FSDP across {gpus} GPUs (parallelism \"fsdp\", --num-gpus {gpus}{with_checkpointing}): "
-                    f"weights, gradients and optimizer state sharded to "
-                    f"{gib(sharded.weights + sharded.gradients + sharded.optimizer)} per GPU; micro-batch {size} "
-                    "fits"}
 
 
 def _states_fit(params: int, target: Target) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from nanopt.config import RunConfig
 from nanopt.hardware import GPUS
 from nanopt.model import flops
 from nanopt.model import memory as memory_model
-from nanopt.plan.estimate.layouts import SHARDING_NAMES
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
 from nanopt.plan.estimate.target import (
     Target,
@@ -29,6 +28,9 @@ from nanopt.plan.estimate.target import (
 )
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "fsdp_offload")
+# train.json's `parallelism` values as tables name them (nanopt.train.parallel).
+SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP2",
+                  "fsdp_offload": "FSDP2 + CPU offload"}
 CHECKPOINTING = (False, "selective", 2, True)
 
 # Recomputation: a block's forward is about a third of its forward and backward, so recomputing every block costs
@@ -42,18 +44,19 @@ RECOMPUTE_SELECTIVE = 0.05
 COMMUNICATION = {"ddp": 0.0, "zero1": 0.03, "zero2": 0.02, "fsdp": 0.06, "fsdp_offload": 0.06}
 # torchao's 8-bit AdamW step quantizes and dequantizes both moments: memory-bound work, assumed at 2% of a step.
 EIGHT_BIT_STEP = 0.02
-# What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW with
-# ddp only.
-SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp",), "muon": ("ddp", "zero2", "fsdp")}
+# What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW not with
+# zero1 (under FSDP2 each rank holds its rows' 8-bit moments: nanopt.train.lowbit).
+SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp", "zero2", "fsdp", "fsdp_offload"),
+                 "muon": ("ddp", "zero2", "fsdp")}
 # CPU offload, not overlapped: each rank's fp32 weight shards cross PCIe to the GPU in forward and again in
 # backward, every micro-step; its gradient shards come back once a step; its AdamW step runs on the CPU (reading
-# weights, gradients and both moments, writing weights and moments: 28 bytes per parameter) at the rate of torch's
-# foreach AdamW on a CPU, well below the host's memory bandwidth.
+# weights, gradients and both moments, writing weights and moments: 28 bytes per parameter, 16 with 8-bit moments)
+# at the rate of torch's foreach AdamW on a CPU, well below the host's memory bandwidth.
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, effective
 HOST_STEP_BYTES_PER_S = 2e9
 OFFLOAD_WEIGHT_BYTES_PER_MICRO_STEP = 4 + 4
 OFFLOAD_GRADIENT_BYTES = 4
-OFFLOAD_HOST_BYTES_PER_PARAM = 28
+OFFLOAD_HOST_BYTES_PER_PARAM = {"adamw": 28, "adamw8bit": 16}
 
 ASSUMPTIONS = ("slowdown against DDP without checkpointing, projected: recomputing every block +33% compute, "
                "every k-th block +33%/k, selective +5%; 8-bit AdamW +2%; exposed communication ZeRO-1 +3%, "
@@ -122,7 +125,21 @@ def _row(run: RunConfig, target: Target, precision: str, gpus: int, rung: Rung, 
     fits = largest >= 1 and fits_in(memory, micro_batch, target)
     slowdown = rung.slowdown() + _offload(run, rung, gpus, step_s)
     return {**rung.settings, "name": rung.name, "fits": fits, "micro_batch_size": micro_batch,
-            "memory_bytes": memory.total(micro_batch), "host_bytes": memory.host, "slowdown": round(slowdown, 3)}
+            "max_micro_batch": largest, "memory_bytes": memory.total(micro_batch), "host_bytes": memory.host,
+            "slowdown": round(slowdown, 3)}
+
+
+def leanest(ladder: dict[str, Any]) -> dict[str, Any]:
+    """The rung that needs the least memory per GPU: what to show, with by how much it is over, when none fits."""
+    return min(ladder["rows"], key=lambda row: row["memory_bytes"])
+
+
+def set_options(settings: dict[str, Any]) -> str:
+    """A rung as `--set` options (what train, find-batch and preflight take)."""
+    checkpointing = settings["activation_checkpointing"]
+    value = str(checkpointing).lower() if isinstance(checkpointing, bool) else checkpointing
+    return (f"--set parallelism={settings['parallelism']} --set activation_checkpointing={value}"
+            f" --set optimizer={settings['optimizer']}")
 
 
 def _offload(run: RunConfig, rung: Rung, gpus: int, step_s: float) -> float:
@@ -132,7 +149,8 @@ def _offload(run: RunConfig, rung: Rung, gpus: int, step_s: float) -> float:
     per_rank = flops.count_params(run.model).total / gpus
     micro_steps = max(1, run.train.global_batch_tokens // (run.tokens_per_micro_batch * gpus))
     copied = per_rank * (micro_steps * OFFLOAD_WEIGHT_BYTES_PER_MICRO_STEP + OFFLOAD_GRADIENT_BYTES)
-    seconds = copied / PCIE_BYTES_PER_S + per_rank * OFFLOAD_HOST_BYTES_PER_PARAM / HOST_STEP_BYTES_PER_S
+    host_step = per_rank * OFFLOAD_HOST_BYTES_PER_PARAM[rung.optimizer] / HOST_STEP_BYTES_PER_S
+    seconds = copied / PCIE_BYTES_PER_S + host_step
     return seconds / step_s
 
 

@@ -43,9 +43,10 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     report["throughput_source"] = source
     report.update(_memory_section(run, opts, target, precision, report["params"]))
     report.update(_batch_section(run, opts))
-    report["fit"] = fit(run, opts.num_gpus, target, precision, report["params"])
-    report["parallelism"] = parallelism(run, target, precision, opts.num_gpus)
-    report["ladder"] = ladder(run, target, precision, opts.num_gpus, report["gpu"]["mfu"] or DEFAULT_MFU)
+    mfu = report["gpu"]["mfu"] or DEFAULT_MFU
+    report["fit"] = fit(run, opts.num_gpus, target, precision, report["params"], mfu)
+    report["parallelism"] = parallelism(run, target, precision, opts.num_gpus, mfu)
+    report["ladder"] = ladder(run, target, precision, opts.num_gpus, mfu)
     report["compare_gpus"] = _compared(run, opts, report)
     report["attention"] = _attention(run, target, precision)
     return report
