@@ -92,6 +92,15 @@ def test_a_bad_phase_is_one_line(tmp_path: Path, sources: dict[str, Path], cli_i
     assert not (run / "metrics.jsonl").exists()
 
 
+def test_a_decay_phase_after_the_last_step_says_why(tmp_path: Path, sources: dict[str, Path], cli_in_process):
+    # A warmup as long as the run leaves no decay to start a phase at: say which settings place it.
+    run = make_run(tmp_path, sources["web"], data=mixture(sources), lr_schedule="wsd", warmup_steps=50,
+                   data_phases=[{"from": "decay", "mixture": {"web": 1}}])
+    assert_user_error(cli_in_process("train", run, "--no-live"), "data_phases[0]", "'decay' (step 20)",
+                      "lower warmup_steps or raise decay_fraction")
+    assert not (run / "metrics.jsonl").exists()
+
+
 def test_phases_need_a_mixture(tmp_path: Path, sources: dict[str, Path], cli_in_process):
     run = make_run(tmp_path, sources["web"], data_phases=[{"from": 0.5, "mixture": {"web": 1}}])
     assert_user_error(cli_in_process("estimate", run), "key 'data_phases': phases need a mixture in 'data'")

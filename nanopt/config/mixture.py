@@ -162,8 +162,12 @@ def _phase_start(phase: Any, label: str, total_steps: int, decay_start: int | No
                           "\"decay\"", example)
     if not 0 < step < total_steps:
         placed = "" if step == start else f" (step {step})"
+        hint = "a phase must start after step 0 and before the last step"
+        if start == DECAY:  # the decay starts after warmup_steps and decay_fraction of the run from the end
+            hint = ("the WSD decay starts where the warmup ends or decay_fraction of the steps before the end, "
+                    "whichever is later: lower warmup_steps or raise decay_fraction")
         raise ConfigError(f"{where}: 'from' {show_value(start)}{placed} is outside the run's steps 1 to "
-                          f"{total_steps - 1}", "a phase must start after step 0 and before the last step")
+                          f"{total_steps - 1}", hint)
     return step
 
 
