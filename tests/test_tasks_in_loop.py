@@ -113,3 +113,17 @@ def test_the_gpt2_presets_tasks_without_the_hub_are_turned_off_and_training_goes
     (evaluation,) = _records(run, "eval")
     assert evaluation["step"] == 2 and not any(k.startswith("task_") for k in evaluation)
     assert (run / "checkpoints" / "step-000002").is_dir()
+
+
+def test_with_evaluation_off_a_downstream_interval_needs_no_edit():
+    """`--set eval_interval=0` on the GPT-2 preset (as the GPU session's runs do) scores nothing, tasks included: its
+    downstream_interval of 1000 is then no mistake. A negative one still is."""
+    from clihelp import REPO
+
+    from nanopt.config import load_run
+    from nanopt.errors import ConfigError
+
+    run = load_run(REPO / "runs" / "gpt2-small", {"eval_interval": 0})
+    assert run.train.downstream_interval == 1000 and run.train.eval_interval == 0
+    with pytest.raises(ConfigError, match="'downstream_interval': must not be negative"):
+        load_run(REPO / "runs" / "gpt2-small", {"downstream_interval": -5})

@@ -167,11 +167,15 @@ class TrainConfig:
         _check_wandb_project(self.wandb_project, source)
 
     def _check_downstream_interval(self, source: str) -> None:
-        """Tasks are scored at in-loop evaluations: their interval is a multiple of eval_interval."""
+        """Tasks are scored at in-loop evaluations: their interval is a multiple of eval_interval. With eval_interval
+        0 nothing is evaluated, so no task is scored whatever this says (a preset's interval then needs no edit)."""
         every, evals = self.downstream_interval, self.eval_interval
         if every is None or every == 0:
             return
-        if every < 0 or (evals and every % evals) or not evals:
+        if every < 0:
+            raise ConfigError(f"{source}: key 'downstream_interval': must not be negative, got {every}",
+                              "use a multiple of eval_interval, or 0 for none")
+        if evals and every % evals:
             raise ConfigError(f"{source}: key 'downstream_interval': {every} is not a multiple of eval_interval "
                               f"{evals}", "downstream tasks are scored at in-loop evaluations: use a multiple of "
                               f"eval_interval (e.g. {max(evals, 1) * 4}), or 0 for none")
