@@ -20,7 +20,9 @@ The sweep: AdamW's `learning_rate` over `--adamw-lrs`; Muon's `muon_learning_rat
 demo's AdamW learning rate (0.003) on the embeddings, head and norms. A learning rate is best when its final
 validation loss is lowest; when the best is the lowest or highest of its sweep, the next point beyond that edge
 (the edge times the spacing of the two nearest points) is added, up to `--max-extra` times per optimizer, so the
-reported best sits inside its sweep. Runs alternate between the optimizers, the defaults first.
+reported best sits inside its sweep. The order: each optimizer's default first (a comparison early), then AdamW's
+whole sweep, then Muon's: AdamW's best is the target every figure is measured against, so it is the one that must be
+certified when a sweep is cut off; a Muon run short of Muon's best learning rate can only understate Muon.
 
 Each finished run is appended at once as one JSON line to OUT/results.jsonl (optimizer, learning rates, final
 validation loss, the validation curve, tokens, wall time, commit): a cut-off sweep keeps what it measured, and a
@@ -133,28 +135,28 @@ def beyond_edge(runs: dict[float, dict]) -> float | None:
     return None
 
 
-def planned(start: dict[str, list[float]]) -> list[tuple[str, float]]:
-    """The starting runs, alternating optimizers, each sweep's middle (the default) first, then outwards."""
-    orders = {opt: sorted(lrs, key=lambda lr, s=sorted(lrs): abs(s.index(lr) - (len(s) - 1) / 2))
-              for opt, lrs in start.items()}
-    longest = max(len(order) for order in orders.values())
-    return [(opt, order[i]) for i in range(longest) for opt, order in orders.items() if i < len(order)]
+def middle_first(lrs: list[float]) -> list[float]:
+    """A sweep's starting learning rates, its middle (the default) first, then outwards, lower before higher."""
+    ordered = sorted(lrs)
+    return sorted(ordered, key=lambda lr: abs(ordered.index(lr) - (len(ordered) - 1) / 2))
 
 
 def sweep(out: Path, start: dict[str, list[float]], settings: dict, args: argparse.Namespace) -> None:
+    """Each optimizer's default first, then AdamW's whole sweep, then Muon's (see the module's docstring)."""
     runs = recorded(out, settings)
-    for optimizer, lr in planned(start):
+
+    def ensure(optimizer: str, lr: float) -> None:
         if lr not in runs[optimizer]:
             runs[optimizer][lr] = announce(run_one(out, optimizer, lr, settings, args.adamw_lr))
-    extra = {opt: sum(lr not in start[opt] for lr in runs[opt]) for opt in runs}
-    while True:
-        todo = [(opt, beyond_edge(runs[opt])) for opt in runs
-                if beyond_edge(runs[opt]) is not None and extra[opt] < args.max_extra]
-        if not todo:
-            return
-        for optimizer, lr in todo:
-            runs[optimizer][lr] = announce(run_one(out, optimizer, lr, settings, args.adamw_lr))
-            extra[optimizer] += 1
+
+    for optimizer, lrs in start.items():
+        ensure(optimizer, middle_first(lrs)[0])
+    for optimizer, lrs in start.items():
+        for lr in middle_first(lrs):
+            ensure(optimizer, lr)
+        while (beyond_edge(runs[optimizer]) is not None
+               and sum(lr not in lrs for lr in runs[optimizer]) < args.max_extra):
+            ensure(optimizer, beyond_edge(runs[optimizer]))
 
 
 def announce(record: dict) -> dict:
