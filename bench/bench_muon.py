@@ -1,14 +1,14 @@
 """Muon against AdamW on the demo shape, each at its best learning rate: tokens Muon needs to reach AdamW's final loss.
 
     OMP_NUM_THREADS=1 python bench/bench_muon.py --out /tmp/muon-sweep
-        # the full bench: runs/demo's 1,200 steps (2.46M tokens) per run, 6 to 10 runs, 10 min each or more
+    # the full bench: runs/demo's 1,200 steps (2.46M tokens) a run, 6 to 10 runs, 4 to 11 min each on 2 shared cores
     OMP_NUM_THREADS=1 python bench/bench_muon.py --out /tmp/muon-sweep   # again after a cut-off: skips recorded runs
     python bench/bench_muon.py --out /tmp/muon-sweep --report   # the summary of what is recorded, training nothing
     python bench/bench_muon.py --out /tmp/smoke --steps 4 --eval-interval 2 --eval-tokens 2048 \\
         --adamw-lrs 3e-3 --muon-lrs 0.02 --max-extra 0    # smoke
 
 On a CPU shared with other jobs, one thread (OMP_NUM_THREADS=1) trained this tiny model about 7x faster than two
-(0.5 s a step against 3.5 s at a load average of 7 on 2 cores): two threads spin at every barrier waiting for a core.
+(0.5-0.7 s a step against 3.5 s at a load average of 7-9 on 2 cores): two threads wait at every barrier for a core.
 Each record notes its thread count.
 
 Each run trains runs/demo's model (model.json as is) on the built-in corpus (`--data`, made by `nanopt tokenize`)
