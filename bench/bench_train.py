@@ -58,9 +58,17 @@ class RandomTokens:
         if device.type == "cuda":
             data = data.pin_memory()
         self.inputs, self.targets = data[:, :-1], data[:, 1:]
+        self.batch, self.step, self.accum = batch, 0, 1  # nanopt's step reads its accumulation from the loader
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs, self.targets
+
+    def accum_at(self, step: int) -> int:
+        """Micro-batches per optimizer step, as nanopt.data.loader.TrainLoader answers (one process, no warmup)."""
+        return self.accum
+
+    def samples_in(self, step: int) -> int:
+        return self.accum * self.batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +183,7 @@ def build_nanopt(run: RunConfig, rt: Runtime) -> Side:
                       train_state=TrainState(loader), price_per_hour=None, price_source="")
 
     def set_accum(accum: int) -> None:
-        session.accum = accum
+        session.accum = loader.accum = accum
 
     return Side("nanopt", lambda: step(session), set_accum, run.train.micro_batch_size * run.seq_len)
 
