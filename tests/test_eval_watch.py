@@ -167,14 +167,15 @@ def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_pat
 # ----------------------------------------------------------------------------------- beside a real training
 
 
-def start_watcher(run: Path, logs: Path, *extra: object) -> subprocess.Popen:
-    """`nanopt eval RUN --watch` in a process of its own, started from scratch as a person starts it; returns once
-    it is watching."""
+def start_watcher(run: Path, logs: Path, *extra: object, sigint_ignored: bool = False) -> subprocess.Popen:
+    """`nanopt eval RUN --watch` in a process of its own, started from scratch as a person starts it (with SIGINT
+    ignored, as a background job of a script inherits it, if asked); returns once it is watching."""
     err = logs / f"watch-{time.monotonic_ns()}.err"
     env = {**os.environ, **HIDE_CUDA, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "nanopt", "eval", str(run), *WATCH, *map(str, extra)]
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(err, "w"),  # noqa: SIM115
-                            text=True)
+                            text=True, preexec_fn=ignore)
     proc.err_path = err
     deadline = time.monotonic() + 120
     while "watching" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
@@ -262,7 +263,9 @@ def test_a_killed_watcher_restarted_skips_what_it_scored(tmp_path: Path, tiny_da
 @pytest.mark.slow
 def test_ctrl_c_ends_the_watcher_cleanly(tmp_path: Path, tiny_dataset: Path):
     run = tiny_run(tmp_path, tiny_dataset, "run")  # never trained: the watcher waits for a first checkpoint
-    watcher = start_watcher(run, tmp_path)
+    # Started with SIGINT ignored, as a script's background job is (and as CI's runner may start the suite): the
+    # watcher sets its own handler, so Ctrl-C still stops it. Left to Python, it never stopped.
+    watcher = start_watcher(run, tmp_path, sigint_ignored=True)
     watcher.send_signal(signal.SIGINT)
     code, out, err = finish(watcher)
     assert code == 130 and "Traceback" not in err, err

@@ -82,11 +82,11 @@ def watch_run(run_dir: Path, opts: EvalOptions, *, poll_s: float = DEFAULT_POLL_
     summary = WatchSummary(run=str(run_dir))
     rt = init_runtime("auto") if device is None else runtime_on(device)
     remove_stale_holds(run_dir)  # those of a watcher killed earlier
-    events.started(str(rt.device))
-    started = time.time()
     seen: set[tuple[str, str]] = set()  # (name, checkpoint id) scored, skipped or passed over by this watcher
     try:
-        with _sigterm_interrupts():
+        with _stop_signals_interrupt():  # before "watching" is said: from then on Ctrl-C stops it
+            events.started(str(rt.device))
+            started = time.time()
             while True:
                 history = read_history(run_dir)
                 for path in complete_checkpoints(run_dir):
@@ -186,8 +186,10 @@ def _run_complete(run_dir: Path, seen: set[tuple[str, str]]) -> bool:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a scheduler stopping the job) ends the watcher as Ctrl-C does: its hold released, its summary said."""
+def _stop_signals_interrupt() -> Iterator[None]:
+    """Ctrl-C, and SIGTERM (a scheduler stopping the job), end the watcher: its hold released, its summary said.
+    SIGINT is set here too, not left to Python: a process started with SIGINT ignored (a background job of a
+    script) keeps it ignored, and its Ctrl-C would never stop the watcher."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -195,8 +197,9 @@ def _sigterm_interrupts() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
