@@ -26,40 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import RandomTokens  # noqa: E402
+from bench_train import random_token_session  # noqa: E402
 
-from nanopt.config import RunConfig, load_run  # noqa: E402
-from nanopt.devices import MemoryProbe
-from nanopt.model.transformer import Transformer  # noqa: E402
-from nanopt.runtime import Runtime, init_runtime  # noqa: E402
-from nanopt.train.events import Silent  # noqa: E402
+from nanopt.config import load_run  # noqa: E402
+from nanopt.runtime import init_runtime  # noqa: E402
 from nanopt.train.health import HealthMonitor, HealthSettings  # noqa: E402
 from nanopt.train.health_probe import HealthProbe  # noqa: E402
-from nanopt.train.metrics import MetricsLog  # noqa: E402
-from nanopt.train.optim import build_optimizer  # noqa: E402
-from nanopt.train.parallel import prepare  # noqa: E402
-from nanopt.train.session import Session, TrainOptions  # noqa: E402
-from nanopt.train.state import TrainState  # noqa: E402
 from nanopt.train.step import step  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def build_session(run: RunConfig, rt: Runtime) -> Session:
-    """nanopt's training session on random tokens, as bench/bench_train.py's build_nanopt makes it."""
-    torch.manual_seed(0)
-    with torch.device(rt.device):
-        model = Transformer(run.model)
-    prepared = prepare(model, rt, run.train)
-    optimizer = build_optimizer(prepared.raw, run.train, rt.device)
-    loader = RandomTokens(run.model.vocab_size, run.train.micro_batch_size, run.seq_len, rt.device)
-    return Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
-                   accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
-                   flops_per_token=0, peak_flops=None, peak_source="", memory=MemoryProbe(rt.device),
-                   train_state=TrainState(loader), price_per_hour=None, price_source="")
 
 
 def main() -> None:
@@ -72,7 +50,7 @@ def main() -> None:
     overrides = {"micro_batch_size": args.micro_batch} if args.micro_batch else {}
     run = load_run(args.run, overrides)
     rt = init_runtime(run.train.precision, tf32=run.train.tf32)
-    session = build_session(run, rt)
+    session = random_token_session(run, rt)
     probe = HealthProbe(session.prepared.raw, session.optimizer, rt)
     monitor = HealthMonitor(HealthSettings.from_run(run))
     interval = run.train.log_interval

@@ -168,22 +168,27 @@ def measure(side: Side, accums: list[int], warmup: int, steps: int | Callable[[i
             for accum, seconds in timed]
 
 
-def build_nanopt(run: RunConfig, rt: Runtime) -> Side:
-    """nanopt's own optimizer step (nanopt.train.step.step) on random tokens, as `nanopt train` runs it; the model
-    built on the device (a 1B model initialized on the CPU first costs seconds per build)."""
+def random_token_session(run: RunConfig, rt: Runtime) -> Session:
+    """nanopt's training session on random tokens (a RandomTokens loader), as `nanopt train` builds its model,
+    optimizer and step; the model built on the device (a 1B model initialized on the CPU first costs seconds)."""
     torch.manual_seed(0)
     with torch.device(rt.device):
         model = Transformer(run.model)
     prepared = prepare(model, rt, run.train)
     optimizer = build_optimizer(prepared.raw, run.train, rt.device)
     loader = RandomTokens(run.model.vocab_size, run.train.micro_batch_size, run.seq_len, rt.device)
-    session = Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
-                      accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
-                      flops_per_token=0, peak_flops=None, peak_source="", memory=MemoryProbe(rt.device),
-                      train_state=TrainState(loader), price_per_hour=None, price_source="")
+    return Session(run=run, rt=rt, opts=TrainOptions(), prepared=prepared, optimizer=optimizer, dataset=None,
+                   accum=1, total_steps=10**9, metrics=MetricsLog(run.run_dir, enabled=False), observer=Silent(),
+                   flops_per_token=0, peak_flops=None, peak_source="", memory=MemoryProbe(rt.device),
+                   train_state=TrainState(loader), price_per_hour=None, price_source="")
+
+
+def build_nanopt(run: RunConfig, rt: Runtime) -> Side:
+    """nanopt's own optimizer step (nanopt.train.step.step) on random tokens, as `nanopt train` runs it."""
+    session = random_token_session(run, rt)
 
     def set_accum(accum: int) -> None:
-        session.accum = loader.accum = accum
+        session.accum = session.loader.accum = accum
 
     return Side("nanopt", lambda: step(session), set_accum, run.train.micro_batch_size * run.seq_len)
 
