@@ -194,7 +194,7 @@ def test_two_ranks_under_torchrun_search_together(tmp_path: Path, tiny_dataset: 
 def test_gpu_memory_cap_finds_a_smaller_batch(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     """bf16 with compile, as a GPU run is by default: a fresh process per trial."""
     run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
-                   micro_batch_size=2, global_batch_tokens=16 * 256, precision="auto", compile="auto")
+                   micro_batch_size=2, global_batch_tokens=1024 * 256, precision="auto", compile="auto")
     large = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "6GiB", "--max", "256")
     small = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "3GiB", "--max", "256")
     assert large["isolation"] == small["isolation"] == "process" and large["compiled"]
@@ -211,7 +211,7 @@ def test_gpu_search_in_process_goes_on_after_a_real_oom(tmp_path: Path, tiny_dat
     GiB, so under a 3 GiB cap the first trial raises a real CUDA OOM; its memory is freed and the search goes on
     in the same process to the largest size that fits."""
     run = make_run(tmp_path, tiny_dataset, model={**GROWING_MODEL, "hidden_size": 512, "num_hidden_layers": 4},
-                   micro_batch_size=2, global_batch_tokens=16 * 256, precision="auto", compile=False)
+                   micro_batch_size=2, global_batch_tokens=1024 * 256, precision="auto", compile=False)
     report = find_batch_json(gpu_cli(launcher), run, "--gpu-memory", "3GiB", "--start", "512", "--max", "1024")
     assert report["isolation"] == "in-process" and report["device"] == "cuda" and not report["compiled"]
     by_size = {t["micro_batch_size"]: t for t in report["trials"]}
