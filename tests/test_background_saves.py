@@ -51,3 +51,26 @@ def test_checkpoint_async_false_makes_every_save_wait_for_its_files(tmp_path: Pa
     saves = [r for r in records if r.get("event") == "checkpoint"]
     assert [r["step"] for r in saves] == [2, 4]
     assert all(r["blocked_s"] == r["write_s"] > 0 for r in saves), saves
+
+
+def test_a_torch_whose_stager_closes_itself_after_each_save_still_saves_every_checkpoint(
+        tmp_path: Path, tiny_dataset: Path, cli_in_process, monkeypatch):
+    """torch 2.11's DefaultStager closes its copier at the end of every stage (pytorch/pytorch#183413), so a stager
+    kept between saves fails the second with `KeyError: <class 'type'>`: the first H100 run died at its second
+    checkpoint. The stager below behaves as 2.11's does; nanopt must notice and give each save its own copy."""
+    from torch.distributed.checkpoint import staging
+
+    class ClosesAfterStaging(staging.DefaultStager):  # what torch 2.11's _stage ends with
+        def _stage(self, state_dict, **kwargs):
+            try:
+                return super()._stage(state_dict, **kwargs)
+            finally:
+                self._state_dict_stager.close()
+
+    monkeypatch.setattr(staging, "DefaultStager", ClosesAfterStaging)
+    run = make_run(tmp_path, tiny_dataset, "closing", model=TINY_MODEL, **{**TRAIN, "checkpoint_interval": 2})
+    result = cli_in_process("train", run, "--no-live")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "checkpoint"] == [2, 4, 6]
+    assert ckpt.verify_discovered(run / "checkpoints" / ckpt.read_pointer(run / "checkpoints", "latest")).step == 6

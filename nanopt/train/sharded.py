@@ -76,8 +76,8 @@ def save_failure(exc: BaseException) -> str | None:
 def new_stager(device: torch.device) -> Any:
     """A stager that keeps the host copy of the state between saves, so that each save after the first copies into
     memory it already has (pinned on CUDA) instead of allocating and faulting in a copy of the whole state: that
-    allocation was most of the time a save blocked the step. None on a torch without DCP's stagers (before 2.9):
-    every save then allocates its copy, as before."""
+    allocation was most of the time a save blocked the step. None on a torch without DCP's stagers (before 2.9),
+    or whose stagers cannot be reused (2.11): every save then allocates its copy, as before."""
     import inspect
 
     import torch.distributed.checkpoint as dcp
@@ -86,11 +86,30 @@ def new_stager(device: torch.device) -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
-    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters or not _stagers_survive_reuse():
         return None
     cuda = device.type == "cuda"
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=cuda))
+
+
+def _stagers_survive_reuse() -> bool:
+    """Whether this torch's DefaultStager can stage a second time. torch 2.11 closes it at the end of every stage
+    (pytorch/pytorch#183413): the second save then fails with `KeyError: <class 'type'>`, which on the first H100
+    run ended every GPU training run at its second checkpoint. Asked of a throwaway stager on a one-element tensor
+    (no pinned memory, microseconds), not of the version, so a torch that fixes or reintroduces it is handled."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    probe = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                         use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            probe.stage({"probe": torch.zeros(1)})
+    except Exception:  # noqa: BLE001 - any failure to stage twice means: one stager per save
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def save(state: dict[str, Any], directory: Path, group: Any) -> None:
