@@ -228,9 +228,12 @@ def write_bad_id_at(data: Path, split: str, position: int) -> Path:
     return data / shards[index]["file"]
 
 
-def test_every_rank_refuses_the_training_step_that_reads_a_bad_id(tiny_dataset: Path, tmp_path: Path):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_every_rank_refuses_the_training_step_that_reads_a_bad_id(read_ahead: bool, tiny_dataset: Path,
+                                                                 tmp_path: Path):
     """The id is in a sample only rank 1 reads, at step 3: both ranks raise there, so neither waits alone for the
-    other at the step's gradient all-reduce."""
+    other at the step's gradient all-reduce. Reading ahead, plan_ahead() at the end of step 2 (as the training
+    step calls it) checks step 3 early but leaves the error to step 3's next_batch."""
     data = copy_dataset(tiny_dataset, tmp_path)
 
     def loaders() -> list[TrainLoader]:
@@ -248,7 +251,10 @@ def test_every_rank_refuses_the_training_step_that_reads_a_bad_id(tiny_dataset: 
     fresh = loaders()
     for _ in range(2):
         for loader in fresh:
+            if read_ahead:
+                loader.prefetch()
             loader.next_batch()
+            loader.plan_ahead()
     for loader in fresh:
         with pytest.raises(DataError) as info:
             loader.next_batch()

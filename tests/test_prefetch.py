@@ -39,7 +39,13 @@ def _loader(dataset, prefetch: bool) -> TrainLoader:
 
 
 def _take(loader: TrainLoader, count: int) -> list[torch.Tensor]:
-    return [torch.cat(loader.next_batch(), dim=1) for _ in range(count)]
+    """As the training step does: plan_ahead() once a step's micro-batches are all handed out (before its sync)."""
+    batches = []
+    for _ in range(count):
+        batches.append(torch.cat(loader.next_batch(), dim=1))
+        if loader.micro_step == 0:
+            loader.plan_ahead()
+    return batches
 
 
 def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: Path):
@@ -51,7 +57,8 @@ def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: P
     ahead.stream = ReadingThreads(ahead.stream)
     got = _take(ahead, 5)  # mid-step: 5 micro-batches of accumulation 2
     assert all(torch.equal(a, b) for a, b in zip(got, expected[:5], strict=True))
-    # Every batch after the first was read in the background, before it was asked for.
+    # Every batch after the first was read in the background, before it was asked for: within a step because
+    # next_batch started it, across steps because plan_ahead did.
     assert ahead.stream.threads[0] == threading.current_thread().name
     assert all(name != threading.current_thread().name for name in ahead.stream.threads[1:]), ahead.stream.threads
     ahead._read_ahead.future.result()  # the sixth read runs in the background: let it finish before counting
@@ -71,6 +78,28 @@ def test_prefetching_keeps_the_order_the_position_and_the_resume(tiny_dataset: P
     assert all(torch.equal(a, b) for a, b in zip(_take(ahead, 3), expected[2:5], strict=True))
     ahead.close()
     resumed.close()
+
+
+def test_the_training_step_reads_the_next_steps_batch_before_its_sync(tmp_path: Path, tiny_dataset: Path):
+    """Reading ahead (a GPU host's loader, here without pinning), the first micro-batch of every step after the
+    first was read in the background: the step planned it (plan_ahead) before its host sync, not after."""
+    from trainhelp import make_run
+
+    from nanopt.config import load_run
+    from nanopt.runtime import init_runtime
+    from nanopt.train.session import build_session
+    from nanopt.train.step import step
+
+    run = make_run(tmp_path, tiny_dataset, micro_batch_size=BATCH, global_batch_tokens=BATCH * 32 * ACCUM)
+    session = build_session(load_run(run), init_runtime("fp32"))
+    session.loader.prefetch()
+    session.loader.stream = ReadingThreads(session.loader.stream)
+    for _ in range(3):
+        step(session)
+    session.loader.close()
+    threads = session.loader.stream.threads
+    assert len(threads) >= 3 * ACCUM and threads[0] == threading.current_thread().name
+    assert all(name != threading.current_thread().name for name in threads[1:3 * ACCUM]), threads
 
 
 @pytest.mark.gpu

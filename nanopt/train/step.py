@@ -48,6 +48,7 @@ def step(s: Session) -> tuple[float, float, bool]:
         probe.gradients()  # unscaled (fp16), before clipping, as the global norm is
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     norm = _local(torch.nn.utils.clip_grad_norm_(s.prepared.raw.parameters(), max_norm, foreach=True))
+    s.loader.plan_ahead()  # the next step's read and check, before the sync below drains the device
     mean_loss, any_bad, any_stop, norm_value = _agree(s, loss_sum / accum, norm)
     if any_bad:
         _skip_nonfinite(s, mean_loss, norm_value)
