@@ -56,7 +56,8 @@ def predict_micro_batch(run: RunConfig, world: int, precision: str | None, compi
 def _memory_model(run: RunConfig, world: int, precision: str, compiled: bool, baseline_bytes: int | None) -> Any:
     model = estimate_memory(run.model, run.seq_len, precision=precision, compiled=compiled,
                             activation_checkpointing=run.train.activation_checkpointing,
-                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer)
+                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer,
+                            step_sequences=0)  # a trial's step is one micro-batch (search.trial_run)
     if baseline_bytes:
         # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
         model = dataclasses.replace(model, runtime_overhead=int(baseline_bytes))
