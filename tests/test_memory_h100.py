@@ -129,3 +129,21 @@ def test_eager_autocast_bytes_are_what_the_blocks_save(architecture: str):
     tokens = torch.randint(0, cfg.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
     slope = (saved_bytes_in_blocks(model, tokens) - saved_bytes_in_blocks(model, tokens[:2])) / (2 * 128)
     assert slope / cfg.num_hidden_layers == activation_bytes_per_token_per_layer(cfg, 2, compiled=False)
+
+
+def test_find_batch_compares_the_prediction_with_the_sizes_it_can_try():
+    """The H100's eager GPT-2 search (global batch 512 sequences: only powers of two divide it): 128 fit, 256 ran
+    out of memory. The model's 189 (in 95% of the card) is no size the search could try; of those, it picks 128."""
+    from nanopt.plan.find_batch.calibration import calibrate
+    from nanopt.plan.find_batch.search import Trial
+
+    run = load_run(REPO / "runs" / "gpt2-small")
+    trials = {size: Trial(micro_batch_size=size, fits=fits, reason="fits" if fits else "OOM", peak_memory_bytes=peak,
+                          tokens_per_s=None, mfu=None, mfu_note=None, step_time_s=None, grad_accum=512 // size)
+              for size, fits, peak in ((128, True, int(52.753 * GIB)), (256, False, None))}
+    facts = {"precision": "bf16", "compiled": False, "device": "cuda"}
+    calibration = calibrate(run, 1, facts, trials, int(0.95 * 85_017_493_504), 128, capped=False)
+    assert calibration["predicted_max_micro_batch"] == 189
+    assert calibration["predicted_usable_micro_batch"] == 128
+    assert calibration["max_micro_batch_error"] == 0
+    assert calibration["peak_error"] == pytest.approx(0.003, abs=0.002)
