@@ -49,10 +49,9 @@ def test_loss_buffers_are_counted():
     # fp32 d(head), formed in forward and kept until backward, and its bf16 copy for autograd there
     assert bf16.loss_buffers == (4 + 2) * head and bf16.fixed() >= bf16.loss_buffers + bf16.weights
     assert memory(GQA, "fp32").loss_buffers == 4 * head  # fp32: scaled in place, handed to autograd as it is
-    # One chunk's fp32 logits and its bf16 gradient, a few chunks per micro-batch: per token V * (4 + 2) / chunks.
-    without_loss = dataclasses.replace(GQA, vocab_size=128)
-    per_token = (bf16.activations_per_sequence - memory(without_loss, "bf16").activations_per_sequence) / SEQ
-    assert per_token >= (GQA.vocab_size - 128) * (4 + 2) / LOSS_CHUNKS
+    # Compiled: one chunk's fp32 softmax and bf16 logits, an eighth of the micro-batch's rows (nanopt.model.loss_chunks)
+    assert bf16.loss_chunk_bytes(1) == GQA.vocab_size * (4 + 2) * SEQ // LOSS_CHUNKS
+    assert bf16.total(2) - bf16.total(1) == bf16.activations_per_sequence + bf16.loss_chunk_bytes(1)
 
 
 def gqa_run(tmp_path: Path, precision: str) -> Path:

@@ -122,7 +122,8 @@ def _setup(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed
     run = with_shape(run, plan.micro_batch)
     predicted = estimate_memory(run.model, run.seq_len, precision=rt.precision, compiled=True,
                                 activation_checkpointing=False, parallelism="ddp", world_size=1,
-                                optimizer=run.train.optimizer).total(plan.micro_batch)
+                                optimizer=run.train.optimizer,
+                                step_sequences=max(plan.accums) * plan.micro_batch).total(plan.micro_batch)
     peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
     print(f"{workload}: micro-batch {plan.micro_batch} x seq {run.seq_len}, accumulation {plan.accums} (preset "
           f"{plan.preset_accum}), {rt.precision}, compiled, MFU against {peak_source}", flush=True)
@@ -232,7 +233,7 @@ def step_memory(ctx: Context) -> None:
         rt = init_runtime(run.train.precision)
         predicted = estimate_memory(run.model, run.seq_len, precision=rt.precision, compiled=False,
                                     activation_checkpointing=ckpt, parallelism="ddp", world_size=1,
-                                    optimizer=run.train.optimizer).total(micro)
+                                    optimizer=run.train.optimizer, step_sequences=0).total(micro)
         command = (f"nanopt estimate {PRESETS[name]} --set micro_batch_size={micro} --set compile=false "
                    f"--set activation_checkpointing={str(ckpt).lower()}")
         record = base_record(ctx, f"memory:{name}", command)

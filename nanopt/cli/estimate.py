@@ -290,6 +290,10 @@ def _memory_table(r: dict[str, Any]) -> Table:
     table.add_row("gradients (fp32)", fmt.size(m["gradients"]))
     table.add_row("optimizer (AdamW moments)", fmt.size(m["optimizer"]))
     table.add_row("activations per sequence", fmt.size(m["activations_per_sequence"]))
+    if m.get("loss_buffers") or m.get("loss_chunk"):
+        table.add_row("loss (head gradient, one chunk)", fmt.size(m["loss_buffers"] + m["loss_chunk"]))
+    if m.get("weight_copies"):
+        table.add_row("weight copies (eager autocast)", fmt.size(m["weight_copies"]))
     table.add_row("runtime overhead (Python, torch)" if on_cpu else "runtime overhead (CUDA context, workspaces)",
                   fmt.size(m["runtime_overhead"]))
     if a:

@@ -174,7 +174,8 @@ def _result_table(r: dict[str, Any]) -> Table:
                            else "-"),
         ("configured", f"{r['configured']['micro_batch_size']}{_accum(r['configured']['grad_accum'])}"),
         ("search", _search_text(r)),
-        ("memory model: largest", f"{_value(c['predicted_max_micro_batch'])} (error "
+        ("memory model: largest", f"{_value(c['predicted_max_micro_batch'])}, of the usable sizes "
+                                  f"{_value(c.get('predicted_usable_micro_batch'))} (error "
                                   f"{_error(c['max_micro_batch_error'])})"),
         ("memory model: peak", f"{fmt.size(c['predicted_peak_bytes'])} vs measured "
                                f"{fmt.size(c['measured_peak_bytes'])} at micro-batch {_value(c.get('at_micro_batch'))} "

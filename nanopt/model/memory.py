@@ -13,19 +13,26 @@ from dataclasses import dataclass
 
 from nanopt.config import ModelConfig
 from nanopt.model.flops import count_params
-from nanopt.model.loss_chunks import LOSS_CHUNKS
+from nanopt.model.loss_chunks import loss_chunk_rows
+from nanopt.model.memory_loss import loss_buffer_bytes, loss_bytes_per_token, loss_chunk_row_bytes
 
-# Bytes the CUDA context, cuBLAS workspaces and allocator fragmentation take before the first tensor. Measured
-# figures are typically 0.5-1.5 GiB; the calibration in `nanopt find-batch` reports the error of this model.
+# Bytes the CUDA context, cuBLAS workspaces and allocator rounding take before the first tensor. Measured on an
+# H100 (torch 2.11, CUDA 13): a context of 0.75 GiB, and about 0.065 GiB the allocator holds beyond every tensor the
+# model counts (the four eager peaks of bench/gpusession's memory step); the calibration in `nanopt find-batch`
+# reports the error of this model.
 RUNTIME_OVERHEAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """The peak is the larger of two moments: the forward's, in the loss (every activation kept for backward, the
+    loss's chunk transients, and the gradients only when an earlier micro-batch of the step left them), and the
+    backward's (every gradient, and under activation checkpointing one block rebuilt with the inputs kept)."""
+
     weights: int
     gradients: int
     optimizer: int
-    activations_per_sequence: int
+    activations_per_sequence: int  # kept at the forward's peak: the blocks', the final norm's and the loss's
     runtime_overhead: int
     # The loss's fp32 head gradient, formed in forward and held until backward, and its bf16 copy there (per GPU,
     # never sharded: the loss runs on the gathered head).
@@ -34,22 +41,61 @@ class MemoryEstimate:
     gathered: int = 0
     # "fsdp_offload": the sharded weights, gradients and optimizer state, in host memory instead (per rank).
     host: int = 0
+    # Eager autocast: the compute-dtype copies of the blocks' projection weights, each saved by its matmul (and
+    # held by autocast's cache) from forward to backward.
+    weight_copies: int = 0
+    # The loss's transients per row of one chunk (loss_chunk_row_bytes); the chunk's rows depend on the micro-batch
+    # (nanopt.model.loss_chunks: an eighth of the rows, at most 1 GiB of fp32 logits).
+    loss_chunk_row_bytes: int = 0
+    seq_len: int = 0
+    vocab_size: int = 0
+    # Sequences per rank in one optimizer step: a smaller micro-batch accumulates, and the second and later
+    # micro-batches run forward with the gradients allocated. 0: every step is one micro-batch, whatever its size.
+    step_sequences: float = math.inf
+    # Activation checkpointing: per sequence at a rebuilt block's backward (every kept input, one block's
+    # activations and the residual stream's fp32 gradient), while all gradients may exist; 0 without it.
+    recompute_per_sequence: int = 0
 
-    def fixed(self) -> int:
-        return (self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.loss_buffers
-                + self.gathered)
+    def gradients_in_forward(self, micro_batch_size: int) -> bool:
+        return micro_batch_size < self.step_sequences
+
+    def fixed(self, micro_batch_size: int = 1) -> int:
+        """What the forward's peak holds besides what grows with the micro-batch."""
+        gradients = self.gradients if self.gradients_in_forward(micro_batch_size) else 0
+        return (self.weights + self.optimizer + self.runtime_overhead + self.loss_buffers + self.gathered
+                + self.weight_copies + gradients)
+
+    def loss_chunk_bytes(self, micro_batch_size: int) -> int:
+        if not self.loss_chunk_row_bytes:
+            return 0
+        return self.loss_chunk_row_bytes * loss_chunk_rows(micro_batch_size * self.seq_len, self.vocab_size)
 
     def total(self, micro_batch_size: int) -> int:
-        return self.fixed() + micro_batch_size * self.activations_per_sequence
+        forward = (self.fixed(micro_batch_size) + micro_batch_size * self.activations_per_sequence
+                   + self.loss_chunk_bytes(micro_batch_size))
+        backward = (self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.gathered
+                    + micro_batch_size * self.recompute_per_sequence)
+        return max(forward, backward)
 
     def max_micro_batch(self, device_bytes: int) -> int:
-        return max(0, (device_bytes - self.fixed()) // max(1, self.activations_per_sequence))
+        """The largest micro-batch whose total fits, by bisection: the total grows with the micro-batch (but for
+        one dip, where the loss goes from one chunk of a few sequences to eight: treated as if it did not)."""
+        if self.total(1) > device_bytes:
+            return 0
+        fits, fails = 1, 2 + device_bytes // max(1, self.activations_per_sequence, self.recompute_per_sequence)
+        while fails - fits > 1:
+            middle = (fits + fails) // 2
+            fits, fails = (middle, fails) if self.total(middle) <= device_bytes else (fits, middle)
+        return fits
 
     def to_dict(self, micro_batch_size: int) -> dict[str, int]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations_per_sequence": self.activations_per_sequence,
                 "runtime_overhead": self.runtime_overhead, "loss_buffers": self.loss_buffers,
-                "gathered": self.gathered, "host": self.host, "total": self.total(micro_batch_size)}
+                "gathered": self.gathered, "host": self.host, "weight_copies": self.weight_copies,
+                "loss_chunk": self.loss_chunk_bytes(micro_batch_size),
+                "gradients_in_forward": self.gradients_in_forward(micro_batch_size),
+                "total": self.total(micro_batch_size)}
 
 
 # Which SDPA kernel CUDA runs for nanopt's training attention (causal, no mask, enable_gqa for grouped queries).
@@ -88,33 +134,76 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
     """Tensors one transformer block saves for backward, per token, with a flash-style attention kernel.
 
     The residual stream stays in fp32 (the master weights are fp32 and autocast keeps additions in fp32); the
-    matmul inputs and outputs are in the compute dtype (`act_bytes`). torch.compile fuses the normalization and
-    activation-function intermediates, so fewer tensors are saved.
+    matmul outputs are in the compute dtype (`act_bytes`). Under autocast (act_bytes < 4) eager and compiled
+    differ: eager_block_bytes and compiled_block_bytes.
     """
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    inner = cfg.intermediate_size
     residual = 2 * 4 * h  # block input and the mid-block residual, fp32
-    # Per RMSNorm, the normalized values (kept for the gain's gradient) and the scaled output (the projections'
-    # input); LayerNorm's kernel keeps only its output (and a mean and rstd per token): counted by saved-tensor hooks
-    # on the CPU (tests/test_memory_ladder.py).
-    norms = (4 if cfg.architecture == "llama" else 2) * act_bytes * h
-    # q, k, v as the attention kernel saves them, its output (o_proj's input) and its fp32 log-sum-exp per head
+    # q, k, v as the attention kernel saves them (llama's after RoPE), its output (o_proj's input) and its fp32
+    # log-sum-exp per head
     attention = act_bytes * (h + 2 * kv) + act_bytes * h + 4 * cfg.num_attention_heads
-    if cfg.architecture == "llama":
-        mlp = act_bytes * (3 * inner)  # gate and up outputs, their product (down_proj's input)
-        elementwise = act_bytes * inner  # silu(gate)
-    else:
-        mlp = act_bytes * (2 * inner)  # fc output, gelu output (c_proj's input)
-        elementwise = 0
-    # qk_norm: the per-head RMSNorm's input in fp32, its output in the compute dtype and its fp32 1/rms per head,
-    # for queries and keys
-    heads = cfg.num_attention_heads + cfg.num_key_value_heads
-    qk_norm = (4 + act_bytes) * (h + kv) + 4 * heads if cfg.qk_norm else 0
     if compiled:
-        norms //= 2
-        elementwise = 0
-        qk_norm = act_bytes * (h + kv) if cfg.qk_norm else 0  # fused: only the projection's output is kept
-    return residual + norms + attention + mlp + elementwise + qk_norm
+        return residual + attention + compiled_block_bytes(cfg, act_bytes)
+    return residual + attention + eager_block_bytes(cfg, act_bytes)
+
+
+def projections_reading_each_norm(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmuls reading the attention norm's output, matmuls reading the MLP norm's): q, k, v; gate and up, or fc."""
+    return 3, 2 if cfg.architecture == "llama" else 1
+
+
+def eager_block_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+    """Per token, what an eager block saves besides its residual stream and attention, tensor by tensor. Checked
+    against an H100's allocated peaks (bench/gpusession memory step: GPT-2 small at 32 x 1024 and Llama 1B at
+    8 x 2048, each with and without checkpointing, within 0.07 GiB of what torch.cuda.max_memory_allocated saw).
+
+    - Norms, computed in fp32 whatever the precision (CUDA autocast runs layer_norm in fp32; nanopt's RMSNorm
+      upcasts): LayerNorm saves its input (the residual, counted) and a mean and rstd per token (8 bytes);
+      nanopt's RMSNorm saves its fp32 normalized values for the gain's gradient (4h) and 1/rms (4 bytes).
+    - The projections' input: the norm's output is fp32, and autocast casts a non-leaf tensor anew at every matmul
+      (it caches only the weights' casts), so each of q, k, v (and gate and up) saves its own copy in the compute
+      dtype: 3 copies at the attention, 2 (llama) or 1 (gpt2) at the MLP. Without autocast (fp32) they share the
+      one fp32 output: one copy per norm.
+    - MLP: llama's gate and up outputs, silu(gate) (saved by the product) and the product (down_proj's input):
+      4 x inner; gpt2's fc output (GELU's input: the tanh form is one kernel that saves only its input) and the GELU
+      output (c_proj's input): 2 x inner. Dropout at p = 0 returns its input, so it saves no mask.
+
+    GPT-2 small, bf16 (h 768, inner 3072, 12 heads): 8h residual 6144 + norms 16 + 4 x 2h casts 6144 + attention
+    6192 + MLP 12288 = 30,784 bytes per token per layer. Llama 1B (h 2048, kv 512, inner 8192, 32 heads): residual
+    16,384 + norms 16,392 + 5 x 2h casts 20,480 + attention 10,368 + MLP 65,536 = 129,160.
+    """
+    h, inner = cfg.hidden_size, cfg.intermediate_size
+    if cfg.architecture == "llama":
+        norms = 2 * (4 * h + 4)
+        mlp = 4 * act_bytes * inner
+    else:
+        norms = 2 * 8
+        mlp = 2 * act_bytes * inner
+    casts = sum(projections_reading_each_norm(cfg)) if act_bytes < 4 else 2
+    inputs = casts * act_bytes * h
+    return norms + inputs + mlp + qk_norm_bytes(cfg, act_bytes, compiled=False)
+
+
+def compiled_block_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+    """Per token, what a compiled block saves besides its residual stream and attention: Inductor fuses the norms'
+    and the activation function's intermediates and computes each norm's output once. Not derived tensor by tensor
+    (the partitioner decides what it recomputes): within 3% of an H100's compiled peaks for GPT-2 small and Llama 1B
+    (bench/RESULTS.md)."""
+    h, inner = cfg.hidden_size, cfg.intermediate_size
+    norms = (2 if cfg.architecture == "llama" else 1) * act_bytes * h
+    mlp = act_bytes * (3 * inner if cfg.architecture == "llama" else 2 * inner)
+    return norms + mlp + qk_norm_bytes(cfg, act_bytes, compiled=True)
+
+
+def qk_norm_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool) -> int:
+    """qk_norm: the per-head RMSNorm's input in fp32, its output in the compute dtype and its fp32 1/rms per head,
+    for queries and keys; compiled, only the projection's output is kept (fused)."""
+    if not cfg.qk_norm:
+        return 0
+    width = cfg.hidden_size + cfg.num_key_value_heads * cfg.head_dim
+    if compiled:
+        return act_bytes * width
+    return (4 + act_bytes) * width + 4 * (cfg.num_attention_heads + cfg.num_key_value_heads)
 
 
 def expanded_kv_bytes(cfg: ModelConfig, act_bytes: int) -> int:
@@ -142,38 +231,33 @@ def math_attention_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, s
     return act_bytes * cfg.num_attention_heads * seq_len + expanded_kv - 4 * cfg.num_attention_heads
 
 
-def loss_bytes_per_token(cfg: ModelConfig, act_bytes: int, compiled: bool) -> int:
-    """The final norm output, the loss's saved d(hidden), and its per-chunk transients spread over the tokens: one
-    chunk's fp32 logits (reused in place for the probabilities; eager logsumexp adds a temporary of the same size)
-    and the chunk's logits gradient in the compute dtype. No [T, V] logits are kept."""
-    saved = 4 * cfg.hidden_size + 2 * act_bytes * cfg.hidden_size + 8
-    chunk = cfg.vocab_size * (4 + (0 if compiled else 4) + act_bytes)
-    return saved + -(-chunk // LOSS_CHUNKS)
-
-
-def loss_buffer_bytes(cfg: ModelConfig, act_bytes: int) -> int:
-    """The fp32 head gradient the loss accumulates in forward and keeps until backward, where it is scaled in place
-    and, under bf16 autocast, cast to bf16 for autograd (which casts that to the fp32 .grad, counted as gradients)
-    while every activation is still alive."""
-    head = cfg.vocab_size * cfg.hidden_size
-    return 4 * head + (act_bytes * head if act_bytes < 4 else 0)
+def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallelism: str) -> int:
+    """Eager autocast on replicated weights (ddp, zero1): every projection's weight cast to the compute dtype is
+    saved by its matmul for backward, so all the blocks' copies are alive at the forward's peak (GPT-2 small:
+    2 x 84.9M = 0.16 GiB; Llama 1B: 2 x 973M = 1.81 GiB). Compiled, the cast is recomputed from the fp32 weight in
+    backward; FSDP2 gathers the weights in the compute dtype already and frees them after each block."""
+    if compiled or act_bytes >= 4 or parallelism not in ("ddp", "zero1"):
+        return 0
+    return act_bytes * hidden_matrix_params(cfg)
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
                     activation_checkpointing: bool | int | str, parallelism: str, world_size: int,
-                    optimizer: str = "adamw", cuda: bool = True) -> MemoryEstimate:
+                    optimizer: str = "adamw", cuda: bool = True, step_sequences: float = math.inf) -> MemoryEstimate:
     """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights, at one
     rung of the ladder: train.json's `parallelism` (SHARDED_STATES) and `activation_checkpointing` (any
-    granularity: checkpointed_blocks).
+    granularity: checkpointed_blocks). `step_sequences`: the sequences per rank of one optimizer step; a smaller
+    micro-batch accumulates, so the gradients are allocated while the later micro-batches run forward (a step of
+    one micro-batch frees them with zero_grad(set_to_none=True) before its forward; 0: find-batch's trials and the
+    bench, a step of one micro-batch whatever its size).
 
     On CUDA (`cuda`) attention costs what the SDPA kernel the shape and precision get holds (attention_kernel):
     the math fallback adds its [H, T, T] scores per layer and, at the peak of one layer's backward, two more
     score-sized tensors. On the CPU, SDPA's flash kernel takes every precision and grouping.
 
     Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
-    momentum buffer for the hidden matrices it updates instead. Under bf16 autocast the bf16 copies of weights
-    live only per layer during the step and are counted in the runtime overhead (except zero2's, kept for every
-    block: `gathered`).
+    momentum buffer for the hidden matrices it updates instead. Eager autocast keeps the blocks' weight copies
+    (weight_copy_bytes); zero2 keeps every block's gathered weights (`gathered`).
     """
     parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel)
     act_bytes = 4 if precision == "fp32" else 2
@@ -182,16 +266,22 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     if cuda:
         extra += expanded_kv_bytes(cfg, act_bytes)
     kept, recomputed = block_activation_bytes_per_token(cfg, act_bytes, compiled, activation_checkpointing, extra)
-    per_token = kept + recomputed + loss_bytes_per_token(cfg, act_bytes, compiled)
-    per_sequence = per_token * seq_len + document_mask_bytes(cfg, act_bytes, seq_len)
+    per_sequence_extra = document_mask_bytes(cfg, act_bytes, seq_len)
     if math_attention:  # the scores' gradient and the probabilities' gradient in one layer's backward
-        per_sequence += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
+        per_sequence_extra += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
+    forward = (kept + loss_bytes_per_token(cfg, act_bytes, compiled)) * seq_len + per_sequence_extra
+    # A rebuilt block's backward: every kept input, the block, and the fp32 gradient of the residual stream.
+    backward = (kept + recomputed + 4 * cfg.hidden_size) * seq_len + per_sequence_extra if recomputed else 0
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
-    states = states_only(count_params(cfg).total, world_size, activations_per_sequence=per_sequence,
+    states = states_only(count_params(cfg).total, world_size, activations_per_sequence=forward,
                          muon_params=muon_params, parallelism=parallelism,
                          adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8)
     gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
-    return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered)
+    return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
+                               weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism),
+                               loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
+                               seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
+                               recompute_per_sequence=backward)
 
 
 SELECTIVE = "selective"

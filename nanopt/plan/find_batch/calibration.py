@@ -7,7 +7,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.model.memory import estimate_memory
-from nanopt.plan.find_batch.search import Trial
+from nanopt.plan.find_batch.search import Trial, usable_micro_batches
 
 
 def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[int, Trial], usable: int | None,
@@ -25,6 +25,9 @@ def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[in
             trial.peak_error = trial.predicted_peak_bytes / trial.peak_memory_bytes - 1
     point = _calibration_point(trials, max_fit)
     predicted_max = model.max_micro_batch(usable) if usable is not None else None
+    # The search tries only sizes that divide the global batch, so its answer is compared with the largest such size
+    # the model says fits (GPT-2 small on an H100: 189 predicted, 128 found, 256 failed: the model picks 128 too).
+    predicted_usable = _largest_usable(run, world, predicted_max)
     slope = _measured_bytes_per_sequence(trials)
     note = ("CPU: peaks are the trial process's resident memory, Python and torch included; the model's runtime "
             "overhead is replaced by that measured baseline" if on_cpu else
@@ -35,8 +38,9 @@ def calibrate(run: RunConfig, world: int, facts: dict[str, Any], trials: dict[in
         "peak_error": point.peak_error if point else None,
         "at_micro_batch": point.micro_batch_size if point else None,
         "predicted_max_micro_batch": predicted_max,
-        "max_micro_batch_error": predicted_max / max_fit - 1 if predicted_max is not None and max_fit and not capped
-        else None,
+        "predicted_usable_micro_batch": predicted_usable,
+        "max_micro_batch_error": predicted_usable / max_fit - 1
+        if predicted_usable is not None and max_fit and not capped else None,
         "predicted_bytes_per_sequence": model.activations_per_sequence,
         "measured_bytes_per_sequence": slope,
         "note": note + ("; max_micro_batch_error is not defined when every size up to --max fits" if capped else ""),
@@ -56,11 +60,22 @@ def predict_micro_batch(run: RunConfig, world: int, precision: str | None, compi
 def _memory_model(run: RunConfig, world: int, precision: str, compiled: bool, baseline_bytes: int | None) -> Any:
     model = estimate_memory(run.model, run.seq_len, precision=precision, compiled=compiled,
                             activation_checkpointing=run.train.activation_checkpointing,
-                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer)
+                            parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer,
+                            step_sequences=0)  # a trial's step is one micro-batch (search.trial_run)
     if baseline_bytes:
         # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
         model = dataclasses.replace(model, runtime_overhead=int(baseline_bytes))
     return model
+
+
+def _largest_usable(run: RunConfig, world: int, predicted_max: int | None) -> int | None:
+    """The largest micro-batch up to `predicted_max` that divides the global batch (search.usable_micro_batches),
+    0 when not even 1 fits; None without a prediction."""
+    if predicted_max is None:
+        return None
+    if predicted_max < 1:
+        return 0
+    return usable_micro_batches(run.train, run.seq_len, world, predicted_max)[-1]
 
 
 def _calibration_point(trials: dict[int, Trial], max_fit: int) -> Trial | None:
