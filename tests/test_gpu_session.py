@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpusession.plan import PLANS, STEPS  # noqa: E402
 from gpusession.records import REQUIRED_KEYS, headline  # noqa: E402
 
-# The whole session's smoke run (every step, ~30 s): CI's slow stage runs it on every change.
+# The whole session's smoke run (every step, about a minute): CI's slow stage runs it on every change.
 pytestmark = pytest.mark.slow
 
 COMMIT = "c0ffee1"
