@@ -16,6 +16,7 @@ alone, with a device synchronisation), for bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import statistics
 import sys
@@ -28,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import random_token_session  # noqa: E402
 
-from nanopt.config import load_run  # noqa: E402
-from nanopt.runtime import init_runtime  # noqa: E402
+from nanopt.config import RunConfig, load_run  # noqa: E402
+from nanopt.runtime import Runtime, init_runtime  # noqa: E402
 from nanopt.train.health import HealthMonitor, HealthSettings  # noqa: E402
 from nanopt.train.health_probe import HealthProbe  # noqa: E402
 from nanopt.train.step import step  # noqa: E402
@@ -40,23 +41,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", type=Path, default=Path("runs/demo"))
-    parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch_size")
-    parser.add_argument("--blocks", type=int, default=10, help="timed blocks per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed blocks first (compilation)")
-    args = parser.parse_args()
-    overrides = {"micro_batch_size": args.micro_batch} if args.micro_batch else {}
-    run = load_run(args.run, overrides)
-    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
+@dataclasses.dataclass(frozen=True)
+class HealthOverhead:
+    """Median step time with health off and on (blocks of `interval` steps alternating), the monitor's Python work
+    per block, and the probe's log-step work timed alone, both as shares of a block's steps."""
+
+    interval: int
+    blocks: int
+    off_s: float
+    on_s: float
+    monitor_s: float
+    probe_share: float
+
+    @property
+    def ratio(self) -> float:
+        return self.on_s / self.off_s
+
+    @property
+    def monitor_share(self) -> float:
+        return self.monitor_s / (self.off_s * self.interval)
+
+
+def measure_overhead(run: RunConfig, rt: Runtime, blocks: int, warmup: int) -> HealthOverhead:
+    """nanopt's step on random tokens, `warmup` untimed blocks (compilation), then `blocks` timed blocks per side."""
     session = random_token_session(run, rt)
     probe = HealthProbe(session.prepared.raw, session.optimizer, rt)
     monitor = HealthMonitor(HealthSettings.from_run(run))
     interval = run.train.log_interval
     times: dict[bool, list[float]] = {True: [], False: []}
     health_work: list[float] = []
-    for block in range(args.warmup + 2 * args.blocks):
+    for block in range(warmup + 2 * blocks):
         on = block % 2 == 0
         session.health_probe = probe if on else None
         sync(rt.device)
@@ -76,20 +90,35 @@ def main() -> None:
             work += time.perf_counter() - tick
         sync(rt.device)
         elapsed = time.perf_counter() - started
-        if block >= args.warmup:
+        if block >= warmup:
             times[on].append(elapsed / interval)
             if on:
                 health_work.append(work)
     on_s, off_s = statistics.median(times[True]), statistics.median(times[False])
     probe_share = _probe_share(session, probe, rt.device, off_s * interval)
+    return HealthOverhead(interval, blocks, off_s, on_s, statistics.median(health_work), probe_share)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch_size")
+    parser.add_argument("--blocks", type=int, default=10, help="timed blocks per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed blocks first (compilation)")
+    args = parser.parse_args()
+    overrides = {"micro_batch_size": args.micro_batch} if args.micro_batch else {}
+    run = load_run(args.run, overrides)
+    rt = init_runtime(run.train.precision, tf32=run.train.tf32)
+    m = measure_overhead(run, rt, args.blocks, args.warmup)
     print(f"command: python {shlex.join(sys.argv)}")
-    print(f"device: {rt.device} {rt.precision}, torch {torch.__version__}, log_interval {interval}, "
-          f"{args.blocks} blocks of {interval} steps per side, micro-batch {run.train.micro_batch_size} x "
+    print(f"device: {rt.device} {rt.precision}, torch {torch.__version__}, log_interval {m.interval}, "
+          f"{args.blocks} blocks of {m.interval} steps per side, micro-batch {run.train.micro_batch_size} x "
           f"{run.seq_len}")
-    print(f"step time, health off: {off_s * 1e3:.2f} ms; health on: {on_s * 1e3:.2f} ms; on / off = {on_s / off_s:.4f}")
-    print(f"monitor (Python, per block): {statistics.median(health_work) * 1e3:.3f} ms = "
-          f"{statistics.median(health_work) / (off_s * interval):.4%} of the block's steps")
-    print(f"probe on its log step (norms, parameter copy, update norms, read): {probe_share:.4%} of the block's steps")
+    print(f"step time, health off: {m.off_s * 1e3:.2f} ms; health on: {m.on_s * 1e3:.2f} ms; on / off = "
+          f"{m.ratio:.4f}")
+    print(f"monitor (Python, per block): {m.monitor_s * 1e3:.3f} ms = {m.monitor_share:.4%} of the block's steps")
+    print(f"probe on its log step (norms, parameter copy, update norms, read): {m.probe_share:.4%} of the block's "
+          f"steps")
 
 
 def _probe_share(session: object, probe: HealthProbe, device: torch.device, block_s: float, repeats: int = 10) -> float:

@@ -63,6 +63,11 @@ class RandomTokens:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs, self.targets
 
+    def plan_ahead(self) -> None:
+        """Nothing to read ahead. nanopt's step calls it before its host sync (main's TrainLoader.plan_ahead, from
+        5087f65): without it, every nanopt side of bench_train, bench_health and the GPU session failed with
+        AttributeError."""
+
     def accum_at(self, step: int) -> int:
         """Micro-batches per optimizer step, as nanopt.data.loader.TrainLoader answers (one process, no warmup)."""
         return self.accum

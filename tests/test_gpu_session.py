@@ -20,16 +20,19 @@ from clihelp import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpusession.plan import PLANS, STEPS  # noqa: E402
-from gpusession.records import REQUIRED_KEYS  # noqa: E402
+from gpusession.records import REQUIRED_KEYS, headline  # noqa: E402
 
-# The whole session's smoke run (every step, ~30 s): CI's slow stage runs it on every change.
+# The whole session's smoke run (every step, about a minute): CI's slow stage runs it on every change.
 pytestmark = pytest.mark.slow
 
 COMMIT = "c0ffee1"
 WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", "memory:llama-1b",
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",
-             "resume:gpt2-small")
-OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "gpu_tests.txt"}
+             "resume:gpt2-small", "fp8:gpt2-small", "profile:llama-1b", "gpt2-small:micro64", "muon:gpt2-small",
+             "health:gpt2-small")
+OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "profile_llama.json",
+             "gpu_tests.txt"}
+MAX_OUT_FILES = 8  # what comes back from the GPU machine
 
 
 def shipped_files() -> list[Path]:
@@ -65,7 +68,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     tree = copy_without_git(root / "tree")
     blocker = root / "no_datasets"
     blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['datasets'] = None\n")
+    # Neither `datasets` nor torchao is on the GPU machine.
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['datasets'] = sys.modules['torchao'] = None\n")
     bin_dir = root / "bin"  # `python3` is this interpreter (a venv's python must be run by its own path)
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
@@ -74,8 +78,9 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     env = {key: value for key, value in os.environ.items() if key not in unset}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(blocker), OUT=str(root / "out"),
                COLUMNS="200")
-    blocked = subprocess.run(["python3", "-c", "import datasets"], env=env, capture_output=True, text=True)
-    assert blocked.returncode != 0, "the sitecustomize meant to hide `datasets` did not"
+    for module in ("datasets", "torchao"):
+        blocked = subprocess.run(["python3", "-c", f"import {module}"], env=env, capture_output=True, text=True)
+        assert blocked.returncode != 0, f"the sitecustomize meant to hide `{module}` did not"
     prefix = no_network_prefix()
     done = subprocess.run([*prefix, "bash", "bench/gpu_session.sh", "--smoke"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -106,6 +111,7 @@ def test_the_gpu_command_runs_in_a_copy_without_git_offline_and_without_datasets
         "PYTORCH_ALLOC_CONF": "expandable_segments:True", "TORCH_CPP_LOG_LEVEL": "WARNING", "PYTHONWARNINGS": "default",
         "TORCH_LOGS": "graph_breaks,recompiles", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     assert {f.name for f in smoke.out.iterdir()} <= OUT_FILES and all(f.is_file() for f in smoke.out.iterdir())
+    assert len(OUT_FILES) <= MAX_OUT_FILES
 
 
 def test_every_record_is_printed_on_stdout_and_summarized_at_the_end(smoke):
@@ -117,8 +123,12 @@ def test_every_record_is_printed_on_stdout_and_summarized_at_the_end(smoke):
     comparison = next(r for r in smoke.records if r.get("side") == "comparison" and r["workload"] == "gpt2-small")
     assert f"ratio={comparison['ratio']:.4g}" in stdout  # a figure, not only a status, reaches stdout
     summary = stdout[stdout.index("= summary ="):]
-    assert all(f"\n{step:17s} ok" in summary for step in PLANS["all"]), summary
+    assert all(f"\n{step:18s} ok" in summary for step in PLANS["all"]), summary
     assert len(summary) < 8000  # with room in the 12,000 characters of stdout that come back
+    # Each comparison is in the summary (each side's best round); the rounds themselves only in the R lines.
+    comparisons = [r for r in smoke.records if r.get("side") == "comparison"]
+    assert comparisons and all("  " + headline(r)[:220] in summary for r in comparisons)
+    assert "side=nanopt " not in summary and "side=nanogpt-compiled " not in summary
 
 
 def test_every_workload_is_recorded_with_every_key(smoke):
@@ -138,9 +148,10 @@ def test_each_step_compiles_no_more_graphs_than_its_budget_counts(smoke):
         assert record["graph_check"] is None and (record["graphs"] is None or record["graphs"] <= len(
             planned[name].compiles)), record
     # Counted for real, not vacuously: the steps that compile on a GPU compile here too (a codeless backend).
-    assert {name: steps[name]["graphs"] for name in ("preflight", "throughput-gpt2", "find-batch", "bf16-vs-fp32",
-                                                     "profile", "throughput-llama")} == {
-        "preflight": 1, "throughput-gpt2": 2, "find-batch": 1, "bf16-vs-fp32": 1, "profile": 1, "throughput-llama": 2}
+    # fp8: `off` only (the CPU refuses FP8, and torchao is blocked); on an H100, `head` is the budget's second graph.
+    compiled = {"preflight": 1, "throughput-gpt2": 2, "find-batch": 1, "bf16-vs-fp32": 1, "profile": 1,
+                "throughput-llama": 2, "fp8": 1, "profile-llama": 1, "throughput-gpt2-64": 2, "muon": 2, "health": 1}
+    assert {name: steps[name]["graphs"] for name in compiled} == compiled
 
 
 def test_throughput_records_each_side_as_measured_then_compares_over_two_rounds(smoke):
@@ -185,3 +196,41 @@ def test_memory_find_batch_bf16_profile_tests_and_resume_report_their_measuremen
     [preflight] = by["preflight"]
     assert preflight["compiled_ok"] is True and preflight["matmul_tflops"] > 0 and preflight["problems"] is None
     assert any("scaled_dot_product" in name for name in preflight["sdpa"]["gpt2-small"]), preflight["sdpa"]
+
+
+def test_fp8_trains_what_the_cpu_allows_and_records_what_it_refuses(smoke):
+    off, head, all_ = _by_workload(smoke.records)["fp8:gpt2-small"]
+    assert [r["side"] for r in (off, head, all_)] == ["off", "head", "all"]
+    assert off["status"] == "ok" and off["tokens_per_s"] > 0 and off["final_loss"] > 0 and off["graphs"] == 1
+    assert "--set fp8=off" in off["command"] and "compile=true" in off["command"]
+    # nanopt's own one-line refusal, recorded: the step goes on (on an A100 it would say so the same way).
+    assert head["status"].startswith("skipped: nanopt refused it: runs/gpt2-small/train.json: key 'fp8'")
+    assert "needs a CUDA GPU" in head["status"] and head["tokens_per_s"] is None
+    assert all_["status"] == "skipped: torchao not installed"  # checked before training, as on the GPU machine
+
+
+def test_muon_and_adamw_train_the_same_tokens_and_muon_carries_the_comparison(smoke):
+    adamw, muon = _by_workload(smoke.records)["muon:gpt2-small"]
+    assert (adamw["side"], muon["side"]) == ("adamw", "muon") and adamw["status"] == muon["status"] == "ok"
+    assert adamw["tokens"] == muon["tokens"] > 0 and adamw["steps"] == muon["steps"]
+    assert adamw["learning_rate"] == muon["learning_rate"] == 0.0006  # runs/gpt2-small's
+    assert adamw["muon_learning_rate"] is None and muon["muon_learning_rate"] == 0.02  # nanopt's default
+    assert muon["loss_diff"] == round(muon["late_mean_loss"] - adamw["late_mean_loss"], 5)
+    assert muon["speed_ratio"] == round(muon["tokens_per_s"] / adamw["tokens_per_s"], 4)
+    assert "--set optimizer=muon" in muon["command"]
+
+
+def test_health_profile_llama_and_micro_batch_64_report_their_measurements(smoke):
+    by = _by_workload(smoke.records)
+    [health] = by["health:gpt2-small"]
+    assert health["status"] == "ok" and health["log_interval"] == 10 and health["blocks"] == 2
+    assert health["step_s_off"] > 0 and health["step_s_on"] > 0 and isinstance(health["within_target"], bool)
+    assert health["health_share"] == pytest.approx(health["monitor_share"] + health["probe_share"], abs=2e-6)
+    [profile] = by["profile:llama-1b"]
+    assert profile["status"] == "ok" and {"matmul", "attention", "optimizer"} <= set(profile["categories"])
+    assert profile["cpu_overhead_share"] is not None and profile["command"].startswith("nanopt profile runs/llama")
+    assert json.loads((smoke.out / "profile_llama.json").read_text())["categories"]
+    rows = by["gpt2-small:micro64"]
+    assert {r["side"] for r in rows} == {"nanopt", "nanogpt-compiled", "comparison"}
+    assert all(r["status"] == "ok" and "--run runs/gpt2-small " in r["command"] for r in rows)
+    assert all(r["ratio"] > 0 for r in rows if r["side"] == "comparison")

@@ -7,7 +7,9 @@
     preflight.py   the fail-fast first step, and the data step
     throughput.py  nanopt against the compiled nanoGPT-style baseline, and memory against the memory model
     find_batch.py  `nanopt find-batch` eager, one compiled trial, against `nanopt estimate`
-    training.py    bf16 against fp32, resume after a kill, profile
+    training.py    bf16 against fp32, resume after a kill, profile (GPT-2 small's and the 1B Llama's)
+    comparisons.py FP8 (off, head, all) against bf16, Muon against AdamW: side-by-side `nanopt train` runs
+    health.py      run health's overhead (bench/bench_health.py's measurement)
     gputests.py    the GPU-marked tests, cheapest files first
     steps.py       each step's name to the function its process runs
     session.py     the parent: schedules, kills, tails results.jsonl onto stdout, prints the summary

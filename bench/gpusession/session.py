@@ -9,8 +9,8 @@ OUT/results.jsonl the moment it exists and on stdout as one compact line, a summ
 Each step runs in its own process with its own wall-clock budget (plan.py): a step that hangs, runs out of memory
 or crashes is killed or ends, is recorded as such, and the next step runs; the preflight failing stops the call
 (what follows would fail the same way). OUT receives at most 8 files: results.jsonl, session.log (each step's
-commands and output), env.txt, find_batch.json, profile.json, gpu_tests.txt. Scratch (datasets, runs, traces)
-goes to a temporary folder removed at the end.
+commands and output), env.txt, find_batch.json, profile.json, profile_llama.json, gpu_tests.txt. Scratch
+(datasets, runs, traces) goes to a temporary folder removed at the end.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 from gpusession import isolation
 from gpusession.plan import (
+    GPU_PLANS,
     PLANS,
     SESSION_BUDGET_S,
     SMOKE_SESSION_BUDGET_S,
@@ -219,18 +220,28 @@ def run_session(ctx: Context, steps: list[Step], total_s: float, overrides: dict
     return outcome, problems
 
 
+def _in_summary(record: dict[str, Any], compared: set[str]) -> bool:
+    """Every record but the steps' own (the table above) and a throughput round that went well where its workload
+    has a comparison (which holds each side's best round; every round is on stdout as its own R line already)."""
+    workload = str(record.get("workload", ""))
+    if workload.startswith("step:"):
+        return False
+    return not (workload in compared and record.get("round") is not None and record.get("status") == "ok")
+
+
 def summary(out: Path, header: str, skip: int = 0) -> str:
-    """The table printed last: each step's status, time and compiles, then every record's headline figures (the
+    """The table printed last: each step's status, time and compiles, then the records' headline figures (the
     first `skip` records are an earlier call's)."""
     records = read_records(out)[skip:]
+    compared = {str(r.get("workload")) for r in records if r.get("side") == "comparison"}
     lines = ["", "=" * 30 + " summary " + "=" * 30, header,
-             f"{'step':17s} {'status':28s} {'s':>6s} {'budget':>6s} {'graphs':>7s} {'compile_s':>9s}"]
+             f"{'step':18s} {'status':28s} {'s':>6s} {'budget':>6s} {'graphs':>7s} {'compile_s':>9s}"]
     for r in (r for r in records if str(r.get("workload", "")).startswith("step:")):
         graphs = f"{r['graphs']}/{r['budgeted_graphs']}" if r.get("graphs") is not None else "-"
-        lines.append(f"{r['workload'][5:]:17s} {str(r['status'])[:28]:28s} {r.get('seconds') or 0:6.0f} "
+        lines.append(f"{r['workload'][5:]:18s} {str(r['status'])[:28]:28s} {r.get('seconds') or 0:6.0f} "
                      f"{r.get('budget_s') or 0:6.0f} {graphs:>7s} {r.get('compile_s') or 0:9.1f}")
     lines.append("figures:")
-    lines += ["  " + headline(r)[:220] for r in records if not str(r.get("workload", "")).startswith("step:")]
+    lines += ["  " + headline(r)[:220] for r in records if _in_summary(r, compared)]
     return "\n".join(lines)
 
 
@@ -284,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     # The GPU plans must fit a call; a smoke run checks the table itself, a GPU run the steps it was given.
-    checked = [[step_named(n) for n in PLANS[p]] for p in ("window", "next")] if args.smoke else [steps]
+    checked = [[step_named(n) for n in PLANS[p]] for p in GPU_PLANS] if args.smoke else [steps]
     problems = [p for plan in checked for p in plan_problems(plan, SESSION_BUDGET_S, {} if args.smoke else overrides)]
     if problems and args.smoke:
         parser.error("; ".join(problems))

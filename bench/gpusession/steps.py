@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gpusession.comparisons import step_fp8, step_muon
 from gpusession.find_batch import step_find_batch
 from gpusession.gputests import step_gpu_tests
+from gpusession.health import step_health
 from gpusession.preflight import step_data, step_preflight
 from gpusession.records import Context
 from gpusession.throughput import step_memory, step_throughput
@@ -25,4 +27,12 @@ WORKERS: dict[str, Callable[[Context], None]] = {
     "throughput-llama": lambda ctx: step_throughput(ctx, "llama-1b", wanted_micro=8, accum_cap=8, timed_micro=16,
                                                     rounds=1),
     "resume": step_resume,
+    "fp8": step_fp8,
+    # The 1B Llama at its throughput shape, where it reached 50.5% MFU: what its profile says the next fix is.
+    "profile-llama": lambda ctx: step_profile(ctx, "llama-1b", micro=8, file="profile_llama.json"),
+    # At 32, 11% of the GPU idle and host overhead 69% of the step: a larger micro-batch amortizes the launches.
+    "throughput-gpt2-64": lambda ctx: step_throughput(ctx, "gpt2-small:micro64", wanted_micro=64, accum_cap=16,
+                                                      timed_micro=32, rounds=2, preset_name="gpt2-small"),
+    "muon": step_muon,
+    "health": step_health,
 }

@@ -78,7 +78,8 @@ class _Bench:
     """One throughput step's fixed facts: the run at its shape, the runtime, and how records are made from them."""
 
     ctx: Context
-    workload: str
+    workload: str  # what its records are called
+    preset_name: str  # the repository's preset it measures (PRESETS)
     run: Any
     rt: Any
     plan: ThroughputPlan
@@ -100,12 +101,13 @@ class _Bench:
         return mfu(tokens_per_s, self.fpt, 1, self.peak_flops)
 
     def command(self, rounds: int) -> str:
-        return (f"python bench/bench_train.py --run {PRESETS[self.workload]} --micro-batch {self.plan.micro_batch} "
+        return (f"python bench/bench_train.py --run {PRESETS[self.preset_name]} --micro-batch {self.plan.micro_batch} "
                 f"--accum {' '.join(map(str, self.plan.accums))} --baselines {BASELINE} --rounds {rounds} "
                 f"--warmup {self.plan.warmup} --steps {self.plan.steps_at(1)}")
 
 
-def _setup(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed_micro: int) -> _Bench:
+def _setup(ctx: Context, workload: str, preset_name: str, wanted_micro: int, accum_cap: int,
+           timed_micro: int) -> _Bench:
     import torch
     from bench_train import with_shape
 
@@ -115,7 +117,7 @@ def _setup(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed
     from nanopt.model.memory import estimate_memory
     from nanopt.runtime import init_runtime
 
-    run = with_shape(load_run(preset(ctx, workload)), 1, compile_setting=True)  # compiled, as on a GPU by default
+    run = with_shape(load_run(preset(ctx, preset_name)), 1, compile_setting=True)  # compiled, as on a GPU by default
     rt = init_runtime(run.train.precision)
     device_bytes = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
     plan = throughput_plan(ctx, run, wanted_micro, accum_cap, timed_micro, device_bytes, True, rt.precision)
@@ -127,18 +129,20 @@ def _setup(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed
     peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
     print(f"{workload}: micro-batch {plan.micro_batch} x seq {run.seq_len}, accumulation {plan.accums} (preset "
           f"{plan.preset_accum}), {rt.precision}, compiled, MFU against {peak_source}", flush=True)
-    return _Bench(ctx, workload, run, rt, plan, True, flops_per_token(run.model, run.seq_len), peak_flops, predicted)
+    return _Bench(ctx, workload, preset_name, run, rt, plan, True, flops_per_token(run.model, run.seq_len),
+                  peak_flops, predicted)
 
 
 def step_throughput(ctx: Context, workload: str, wanted_micro: int, accum_cap: int, timed_micro: int,
-                    rounds: int) -> None:
+                    rounds: int, preset_name: str | None = None) -> None:
     """Both sides compiled once; then `rounds` alternating rounds (both models kept: 2 rounds need both to fit the
-    device; with 1 round each side is freed before the next is built, for models that do not fit twice)."""
+    device; with 1 round each side is freed before the next is built, for models that do not fit twice). The
+    records are called `workload`; `preset_name` (default: the workload) is the preset measured."""
     from bench_train import build_side, measure
 
     from nanopt.devices import MemoryProbe
 
-    b = _setup(ctx, workload, wanted_micro, accum_cap, timed_micro)
+    b = _setup(ctx, workload, preset_name or workload, wanted_micro, accum_cap, timed_micro)
     probe = MemoryProbe(b.rt.device)  # before any model: it measures the CUDA context
     backend = "inductor" if b.rt.device.type == "cuda" else "eager"
     alive: dict[str, Any] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from gpusession.isolation import fork_nanopt, labelled_note, run_nanopt, start_nanopt
 from gpusession.presets import (
+    PRESETS,
     copy_run,
     gpt2_micro,
     last_logged_step,
@@ -59,16 +60,56 @@ def tf32_setting() -> str | None:
                  if "tf32" in f.name.lower() and isinstance(f.default, bool)), None)
 
 
-def _train(ctx: Context, name: str, settings: list[str], label: str) -> tuple[Path, str, float, str]:
-    """`nanopt train` of a copy of GPT-2 small with `settings`, forked: (run, command, seconds, output)."""
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """One `nanopt train` of a copy of GPT-2 small: where it ran, how to reproduce it, how it ended."""
+
+    run: Path
+    command: str
+    seconds: float
+    output: str
+    code: int
+    label: str
+
+    def fields(self) -> dict[str, Any]:
+        """Its figures for a record: time, what it compiled and recompiled, its steady tokens/s and MFU (the median
+        of the second half of its logged steps: compiling and warm-up excluded), its last loss."""
+        note = labelled_note(self.label)
+        train = [r for r in read_jsonl(self.run / "metrics.jsonl") if r.get("kind") == "train"]
+        steady = train[len(train) // 2:]
+        losses = train_losses(self.run)
+        return {"seconds": self.seconds, "recompiles": self.output.count("Recompiling"), "graphs": note.get("graphs"),
+                "compile_s": note.get("compile_s"), "allow_tf32": note.get("allow_tf32"),
+                "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
+                "mfu": _median([r.get("mfu") for r in steady]),
+                "final_loss": losses[max(losses)] if losses else None}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
+
+
+def train_copy(ctx: Context, name: str, settings: list[str], label: str, check: bool = True) -> Trained:
+    """`nanopt train` of a copy of GPT-2 small with `settings`, forked; with `check`, a failure ends the step."""
     run = copy_run(ctx, preset(ctx, "gpt2-small"), name)
     args = ["train", str(run), "--resume", "none", "--no-live", *settings_args(settings)]
     start = time.perf_counter()
     code, output = fork_nanopt(args, run / "output.txt", log_recompiles=True, label=label)
     seconds = round(time.perf_counter() - start, 2)
-    if code != 0:
+    if check and code != 0:
         raise SystemExit(f"{name} failed (exit {code})")
-    return run, shlex.join(["nanopt", *args]).replace(str(run), "runs/gpt2-small"), seconds, output
+    command = shlex.join(["nanopt", *args]).replace(str(run), "runs/gpt2-small")
+    return Trained(run, command, seconds, output, code, label)
+
+
+def short_run_settings(ctx: Context, steps: int) -> list[str]:
+    """A short run at the session's shape (one micro-batch a step), no evaluation (a graph no budget counts), one
+    checkpoint at the end."""
+    micro, seq = gpt2_micro(ctx), seq_len(preset(ctx, "gpt2-small"))
+    return [f"max_steps={steps}", "train_tokens=null", f"micro_batch_size={micro}",
+            f"global_batch_tokens={micro * seq}", f"warmup_steps={min(10, steps // 2)}", "eval_interval=0",
+            f"checkpoint_interval={steps}"]
 
 
 def step_bf16_vs_fp32(ctx: Context) -> None:
@@ -76,26 +117,17 @@ def step_bf16_vs_fp32(ctx: Context) -> None:
     with TF32 off where nanopt has a setting for it (else the reference is TF32, and the record says so)."""
     steps, micro = 8 if ctx.smoke else 100, gpt2_micro(ctx)
     seq = seq_len(preset(ctx, "gpt2-small"))
-    common = [f"max_steps={steps}", "train_tokens=null", f"micro_batch_size={micro}",
-              f"global_batch_tokens={micro * seq}", f"warmup_steps={min(10, steps // 2)}", "eval_interval=0",
-              f"checkpoint_interval={steps}"]
+    common = short_run_settings(ctx, steps)
     tf32 = tf32_setting()
     sides = {"bf16": ["precision=bf16", "compile=true"],
              "fp32": ["precision=fp32", "compile=false", *([f"{tf32}=false"] if tf32 else [])]}
     losses, commands = {}, []
     for side, extra in sides.items():
-        label = f"bf16-vs-fp32:{side}"
-        run, command, seconds, output = _train(ctx, f"bf16-vs-fp32-{side}", common + extra, label)
-        losses[side] = train_losses(run)
-        commands.append(command)
-        note = labelled_note(label)
-        last = ([r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"] or [{}])[-1]
-        record = base_record(ctx, "bf16-vs-fp32:gpt2-small", command)
-        record.update(side=side, steps=steps, micro_batch=micro, seq_len=seq, seconds=seconds,
-                      recompiles=output.count("Recompiling"), graphs=note.get("graphs"),
-                      compile_s=note.get("compile_s"), allow_tf32=note.get("allow_tf32"),
-                      tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"),
-                      final_loss=losses[side][max(losses[side])] if losses[side] else None)
+        trained = train_copy(ctx, f"bf16-vs-fp32-{side}", common + extra, f"bf16-vs-fp32:{side}")
+        losses[side] = train_losses(trained.run)
+        commands.append(trained.command)
+        record = base_record(ctx, "bf16-vs-fp32:gpt2-small", trained.command)
+        record.update(side=side, steps=steps, micro_batch=micro, seq_len=seq, **trained.fields())
         append_record(ctx.out, record)
     reference_tf32 = labelled_note("bf16-vs-fp32:fp32").get("allow_tf32")
     import torch
@@ -161,27 +193,29 @@ def step_resume(ctx: Context) -> None:
 # ----------------------------------------------------------------------------------------------- profile
 
 
-def step_profile(ctx: Context) -> None:
-    """`nanopt profile` of GPT-2 small at the throughput shape, accumulation 1: the category table (matmul,
-    attention, optimizer, data wait), idle share, top kernels."""
-    run = preset(ctx, "gpt2-small")
-    micro = gpt2_micro(ctx)
-    trace = ctx.work / "profile"
+def step_profile(ctx: Context, name: str = "gpt2-small", micro: int | None = None, file: str = "profile.json") -> None:
+    """`nanopt profile` of a preset at its throughput shape (GPT-2 small: the session's micro-batch), accumulation 1:
+    the category table (matmul, attention, optimizer, data wait), idle share, top kernels; the whole summary into
+    OUT/`file`."""
+    run = preset(ctx, name)
+    micro = gpt2_micro(ctx) if micro is None or ctx.smoke else micro
+    trace = ctx.work / f"profile-{name}"
     args = ["profile", str(run), "--json", "--no-tensorboard", "--out", str(trace), "--set", "compile=true",
             "--set", f"micro_batch_size={micro}", "--set", f"global_batch_tokens={micro * seq_len(run)}"]
     code, stdout = run_nanopt(*args)
-    command = shlex.join(["nanopt", *args]).replace(str(run), "runs/gpt2-small").replace(str(trace), "OUT/profile")
-    record = base_record(ctx, "profile:gpt2-small", command)
+    command = shlex.join(["nanopt", *args]).replace(str(run), PRESETS[name]).replace(str(trace), "OUT/profile")
+    record = base_record(ctx, f"profile:{name}", command)
     if code != 0:
         record["status"] = f"failed (exit {code})"
         append_record(ctx.out, record)
         raise SystemExit(f"profile failed (exit {code})")
     summary = json.loads(stdout)
-    (ctx.out / "profile.json").write_text(json.dumps(summary, indent=2))
+    (ctx.out / file).write_text(json.dumps(summary, indent=2))
     shares = {c["category"]: round(c["share"], 4) for c in summary.get("categories", [])}
     record.update(tokens_per_s=summary.get("tokens_per_s"), mfu=summary.get("mfu"),
                   peak_memory_gib=gib(summary.get("peak_memory_bytes")), micro_batch=micro, accumulation=1,
                   categories=shares, data_wait_share=summary.get("data_wait_share"),
                   idle_share=summary.get("idle_share"), host_bound=summary.get("host_bound"),
+                  cpu_overhead_share=summary.get("cpu_overhead_share"),
                   compile=summary.get("compile"), top_ops=[op["name"][:60] for op in summary.get("top_ops", [])[:8]])
     append_record(ctx.out, record)
