@@ -327,3 +327,30 @@ def test_a_cpu_search_tries_only_usable_sizes(tmp_path: Path, tiny_dataset: Path
     assert set(report["search_order"]) <= {1, 2, 3} and report["max_micro_batch"] == 3
     assert all(t["grad_accum"] is not None for t in report["trials"])
     assert report["max_micro_batch_capped"] and report["search_complete"]
+
+
+def test_a_trial_steps_as_the_run_will_so_accumulation_counts_the_gradients(tmp_path: Path, tiny_dataset: Path):
+    """A run that accumulates holds its gradients while the later micro-batches run forward (4 bytes a parameter:
+    4.6 GiB on a 1B model, more than find-batch's margin). A trial at a size where the run accumulates steps two
+    micro-batches, one where it does not steps one; the memory model the search starts from and calibrates
+    against counts the gradients at the same sizes."""
+    from nanopt.config import load_run
+    from nanopt.plan.find_batch.calibration import predict_micro_batch
+    from nanopt.plan.find_batch.search import trial_run
+
+    seq = 32  # make_run's model: max_position_embeddings 32
+    run = load_run(make_run(tmp_path, tiny_dataset, "eight", micro_batch_size=2, global_batch_tokens=8 * seq))
+    assert [trial_run(run, size, 1).train.global_batch_tokens // seq for size in (1, 2, 4, 8)] == [2, 4, 8, 8]
+    assert trial_run(run, 2, 2).train.global_batch_tokens == 2 * 2 * 2 * seq  # two micro-batches on each rank
+
+    # A run that accumulates at every size tried: a limit that holds 8 sequences of one-micro-batch steps holds
+    # fewer once the gradients stay allocated.
+    from nanopt.model.memory import estimate_memory
+
+    accumulating = load_run(make_run(tmp_path, tiny_dataset, "huge", micro_batch_size=2,
+                                     global_batch_tokens=4096 * seq))
+    one_a_step = estimate_memory(run.model, seq, precision="bf16", compiled=False, activation_checkpointing=False,
+                                 parallelism="ddp", world_size=1, step_sequences=0)
+    limit = one_a_step.total(8)
+    assert one_a_step.max_micro_batch(limit) == 8
+    assert predict_micro_batch(accumulating, 1, "bf16", False, limit) < 8

@@ -133,7 +133,10 @@ def test_eager_autocast_bytes_are_what_the_blocks_save(architecture: str):
 
 def test_find_batch_compares_the_prediction_with_the_sizes_it_can_try():
     """The H100's eager GPT-2 search (global batch 512 sequences: only powers of two divide it): 128 fit, 256 ran
-    out of memory. The model's 189 (in 95% of the card) is no size the search could try; of those, it picks 128."""
+    out of memory. The model's 188 (in 95% of the card) is no size the search could try; of those, it picks 128.
+    Trials now step as the run will (two micro-batches where it accumulates, as at 128), so the prediction holds the
+    gradients, 0.46 GiB; the H100's trial at 128 stepped one micro-batch and held none: +1.2% for that reason
+    alone, against +0.3% without them."""
     from nanopt.plan.find_batch.calibration import calibrate
     from nanopt.plan.find_batch.search import Trial
 
@@ -143,7 +146,7 @@ def test_find_batch_compares_the_prediction_with_the_sizes_it_can_try():
               for size, fits, peak in ((128, True, int(52.753 * GIB)), (256, False, None))}
     facts = {"precision": "bf16", "compiled": False, "device": "cuda"}
     calibration = calibrate(run, 1, facts, trials, int(0.95 * 85_017_493_504), 128, capped=False)
-    assert calibration["predicted_max_micro_batch"] == 189
+    assert calibration["predicted_max_micro_batch"] == 188
     assert calibration["predicted_usable_micro_batch"] == 128
     assert calibration["max_micro_batch_error"] == 0
-    assert calibration["peak_error"] == pytest.approx(0.003, abs=0.002)
+    assert calibration["peak_error"] == pytest.approx(0.003 + 0.46 / 52.753, abs=0.002)
