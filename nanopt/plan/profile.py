@@ -121,7 +121,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
 
     from nanopt.train.parallel import resolve_compile
     from nanopt.train.session import build_session
-    from nanopt.train.shape_schedule import skip_the_ramp
+    from nanopt.train.shape_schedule import skip_the_ramp, skip_to_the_longest_stage
     from nanopt.train.step import step
 
     compiled = resolve_compile(run.train.compile, rt.device)
@@ -129,6 +129,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
         torch._dynamo.utils.counters.clear()  # count this run's graphs and breaks only
     session = build_session(run, rt, writes=False)
     skip_the_ramp(session)  # batch warmup: profile the full-size steps that take most of the run
+    skip_to_the_longest_stage(session)  # seq_len stages: the longest's step, the slowest
     loader = TimedLoader(session.loader)
     session.loader = loader
     out_dir = Path(opts.out_dir or RunDir(run.run_dir).profile_dir)

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig, TrainConfig
+from nanopt.config.seq_stages import whole_in_every_stage
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_SIZE_BYTES
 from nanopt.parsing import check_option
+from nanopt.train.shape_schedule import longest_stage_run
 
 DEFAULT_MAX = 1024
 MIN_STEPS = 3
@@ -158,7 +160,10 @@ def usable_micro_batches(train: TrainConfig, seq_len: int, world_size: int, maxi
                           f"seq_len x world size = {seq_len} x {world_size}: no micro-batch divides it",
                           f"set {key} to a multiple of {multiple:,}, e.g. "
                           f"{max(1, round(batch / multiple)) * multiple:,}")
-    return [n for n in range(1, min(sequences, maximum) + 1) if sequences % n == 0]
+    # Under sequence-length stages a micro-batch keeps its tokens: it must be whole sequences of every stage's length.
+    lengths = [stage["seq_len"] for stage in train.seq_len_stages or ()]
+    return [n for n in range(1, min(sequences, maximum) + 1)
+            if sequences % n == 0 and whole_in_every_stage(n, seq_len, lengths)]
 
 
 def agree(rt: Any, fits_local: bool) -> bool:
@@ -183,11 +188,13 @@ def grad_accum_for(train: TrainConfig, micro_batch_size: int, seq_len: int, worl
 
 
 def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConfig:
-    """The run with `micro_batch_size` and a global batch of exactly one micro-batch per rank (accumulation 1)."""
+    """The run with `micro_batch_size` and a global batch of exactly one micro-batch per rank (accumulation 1).
+    Under sequence-length stages the trial runs the longest stage's shape (the same tokens a micro-batch, the
+    largest attention): the size that fits there fits the whole run."""
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
                                 global_batch_tokens=micro_batch_size * run.seq_len * world_size,
                                 batch_warmup_tokens=None, batch_warmup_start_tokens=None)  # same micro-batch
-    return dataclasses.replace(run, train=train)
+    return longest_stage_run(dataclasses.replace(run, train=train))
 
 
 # ----------------------------------------------------------------------------------------------- judging
