@@ -134,7 +134,8 @@ def test_a_run_killed_before_the_stage_boundary_resumes_exactly_on_one_or_two_ra
                                                                                    launcher: Launcher):
     whole = make_run(tmp_path, tiny_dataset, "whole", model=STAGED_MODEL, **STAGED)
     started = launcher.train(whole)
-    assert "then seq_len 32 from step 8 (micro-batch 2)" in started.stderr + started.stdout
+    said = started.stderr + started.stdout
+    assert "then seq_len 32 from step 8 (micro-batch 2)" in said and "step 8: seq_len 32 from here on" in said
     expected = losses(whole)
     records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in records if r["kind"] == "train"] == [128 * k for k in range(1, 15)]
@@ -145,7 +146,8 @@ def test_a_run_killed_before_the_stage_boundary_resumes_exactly_on_one_or_two_ra
         killed = launcher.start("train", run, "--no-live", kill_at_step={
             "step": 6, "checkpoints": str(run / "checkpoints"), "latest": "step-000004"})
         assert launcher.wait(killed) != 0 and ckpt.resolve(run, "latest").step == 4  # SIGKILLed in step 6
-        launcher.train(run, *args)  # resumes at step 4, crosses the boundary at step 8
+        resumed = launcher.train(run, *args)  # resumes at step 4, crosses the boundary at step 8
+        assert "step 8: seq_len 32 from here on" in resumed.stderr + resumed.stdout
         got = losses(run)
         assert ckpt.resolve(run, "latest").meta["world_size"] == (2 if args else 1)
         assert ckpt.resolve(run, "latest").meta["ranks"][0]["loader"]["seq_len"] == 32

@@ -16,7 +16,8 @@ preflight.json (`version` 1), one JSON object:
                                train.json has); advice ("set micro_batch_size N" when find-batch picked another)
     grad_accum                 micro-batches per optimizer step per rank
     steps                      warmup (run first, not measured: torch.compile's first step is among them) and
-                               measured optimizer steps
+                               measured optimizer steps; seq_len, the sequence length they ran at (under
+                               seq_len_stages the longest stage's, where they start; else train.json's)
     step_time_s                mean seconds of a measured optimizer step (the slowest rank)
     tokens_per_s               global_batch_tokens / step_time_s, over all ranks
     mfu, mfu_note,             MFU (nanopt.model.flops.mfu) against the device's dense peak; on a CPU against the

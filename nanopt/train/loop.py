@@ -31,7 +31,7 @@ from nanopt.train.recovery import recover_if_needed, spike_pending, start_watchi
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
-from nanopt.train.shape_schedule import stages_note, step_times, warmup_note
+from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
 from nanopt.train.step import step
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
@@ -178,6 +178,8 @@ def loop(s: Session) -> dict[str, Any]:
             _eval_keeping_the_checkpoint(s)
             maybe_checkpoint(s, force=stop)
             window.time += time.perf_counter() - paused  # tokens/s measures training steps only
+            if stage_begins(s) and s.prepared.compiled:  # its new shape compiles in its first step: setup time
+                first_phase = "setup"
             if stop:
                 with s.clock.phase("checkpoint"):
                     wait_for_save(s)

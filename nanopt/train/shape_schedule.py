@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from nanopt.config import RunConfig, TrainConfig
-from nanopt.config.seq_stages import longest, stage_tokens
+from nanopt.config.seq_stages import longest, stage_at, stage_tokens
 from nanopt.model.flops import flops_per_token
 
 
@@ -90,3 +90,15 @@ def longest_stage_run(run: RunConfig) -> RunConfig:
     train = dataclasses.replace(run.train, seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
                                 seq_len_stages=None)
     return dataclasses.replace(run, train=train)
+
+
+def stage_begins(session: Any) -> bool:
+    """Whether the next step the loader hands out is the first of a sequence-length stage after the base; if so,
+    say so (rank 0's observer), as the start-up line announced."""
+    step = session.loader.step
+    stage = stage_at(session.run.seq_stages, step)
+    if stage.first_step != step or step == 0:
+        return False
+    session.observer.note(f"step {step + 1}: seq_len {stage.seq_len:,} from here on (micro-batch "
+                          f"{stage.micro_batch_size})")
+    return True
