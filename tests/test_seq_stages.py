@@ -220,14 +220,18 @@ def test_find_batch_tries_sizes_whole_in_every_stage_at_the_longest_shape(tmp_pa
 
 
 def test_preflight_times_the_longest_stage(tmp_path: Path, tiny_dataset: Path):
+    from nanopt.model.flops import flops_per_token
     from nanopt.runtime import init_runtime
     from nanopt.train.session import build_session
     from nanopt.train.shape_schedule import skip_to_the_longest_stage
     from nanopt.train.step import step
 
     session = build_session(_staged_run(tmp_path, tiny_dataset), init_runtime("fp32"), writes=False)
+    assert session.flops_per_token == pytest.approx((flops_per_token(session.run.model, 16) +
+                                                     flops_per_token(session.run.model, 32)) / 2)  # the run's
     skip_to_the_longest_stage(session)
     assert (session.state.step, session.state.tokens, session.loader.seq_len) == (7, 7 * 128, 32)
+    assert session.flops_per_token == flops_per_token(session.run.model, 32)  # its measured steps' MFU
     step(session)
     assert (session.state.step, session.state.tokens, session.loader.current.micro_batch_size) == (8, 8 * 128, 2)
 

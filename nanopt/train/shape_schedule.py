@@ -78,6 +78,7 @@ def skip_to_the_longest_stage(session: Any) -> None:
         return
     session.loader.seek(first)
     session.state.step, session.state.tokens = first, session.run.train.tokens_before(first)
+    session.flops_per_token = flops_per_token(session.run.model, longest(stages).seq_len)  # for the MFU of its steps
 
 
 def longest_stage_run(run: RunConfig) -> RunConfig:
