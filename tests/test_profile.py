@@ -117,7 +117,7 @@ def test_summary_of_known_events():
         ("aten::mul", "elementwise/norm/activation", 11), ("aten::mm", "matmul", 60)])
 
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
-                            micro_batch_size=2)
+                            micro_batch_size=2, seq_len_stages=None)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=2,
                               rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", tf32=False,
                                                  world_size=1),
@@ -181,7 +181,7 @@ def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
     assert sorted(name for name, _, _ in collected["kernels"]) == sorted([gemm, add, copy])
 
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
-                            micro_batch_size=2)
+                            micro_batch_size=2, seq_len_stages=None)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
                               rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
                                                  world_size=1),

@@ -169,6 +169,7 @@ def render(r: dict[str, Any]) -> None:
         ("optimizer steps", fmt.exact(r["optimizer_steps"])),
         ("gradient accumulation", str(r["grad_accum"] if r["grad_accum"] is not None else "-")),
         *_batch_warmup_rows(r.get("batch_warmup")),
+        *_stage_rows(r.get("seq_len_stages")),
         ("total training FLOPs", fmt.sci(r["total_flops"])),
         ("peak" if g["key"] == CPU else "peak per GPU", f"{_tflops(g['peak_tflops'])} ({g['peak_source']}), "
                                                          f"{_mfu_text(r)}"),
@@ -257,6 +258,14 @@ def _batch_warmup_rows(warmup: dict | None) -> list[tuple[str, str]]:
                              f"{fmt.count(warmup['tokens'])} tokens ({fmt.exact(warmup['steps'])} steps)")]
 
 
+def _stage_rows(stages: list[dict] | None) -> list[tuple[str, str]]:
+    if stages is None:
+        return []
+    return [("seq_len stages", "; ".join(f"{fmt.exact(s['seq_len'])} from step {fmt.exact(s['first_step'])} "
+                                         f"({fmt.count(s['tokens'])} tokens, micro-batch {s['micro_batch_size']})"
+                                         for s in stages) + "; memory at the longest")]
+
+
 def _tflops(tflops: float) -> str:
     return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1000:.1f} GFLOP/s"
 
@@ -282,7 +291,8 @@ def _memory_table(r: dict[str, Any]) -> Table:
     settings = (f" ({a['precision']}, compile {'on' if a['compile'] else 'off'}, activation checkpointing "
                 f"{checkpointing_words(a['activation_checkpointing'])}, {a['parallelism']} x {a['world_size']})"
                 if a else "")
-    title = ("memory" if on_cpu else "memory per GPU") + settings
+    stage = f", at the longest seq_len stage: {a['seq_len']:,}" if a and r.get("seq_len_stages") else ""
+    title = ("memory" if on_cpu else "memory per GPU") + settings + stage
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("", justify="right")

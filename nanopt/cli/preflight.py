@@ -163,7 +163,15 @@ def _title(r: dict[str, Any]) -> str:
     ranks_text = f"{d['world_size']} ranks, " if d["world_size"] > 1 else ""
     return (f"nanopt preflight: {r['run']} on {d['name']} ({ranks_text}{r['precision']}, compile "
             f"{'on' if r['compile'] else 'off'}; micro-batch {mb['size']} from {mb['source']}, accumulation "
-            f"{r['grad_accum']}; {r['steps']['warmup']} + {r['steps']['measured']} steps)")
+            f"{r['grad_accum']}; {r['steps']['warmup']} + {r['steps']['measured']} steps{_stage(r)})")
+
+
+def _stage(r: dict[str, Any]) -> str:
+    """' at the longest seq_len stage, 4096' when the steps were measured there (a run with stages)."""
+    measured_at = r["steps"].get("seq_len")
+    if not measured_at or measured_at == r["fingerprint"]["seq_len"]:
+        return ""
+    return f" at the longest seq_len stage, {measured_at:,}"
 
 
 def _comparison_table(r: dict[str, Any]) -> Table:

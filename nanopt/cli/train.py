@@ -50,6 +50,9 @@ Examples:
 
   nanopt train runs/demo --set tensorboard=true               # also log to runs/demo/tensorboard/
 
+  nanopt train runs/demo --resume none --set seq_len=128 --set 'seq_len_stages=[{"from": 0.9, "seq_len": 256}]'
+      # sequences of 128 tokens for 90% of the steps, then of 256 (train.json seq_len_stages)
+
   nanopt train runs/demo --set recovery=false                 # stop at a divergence instead of rolling back
 
   nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends

@@ -15,6 +15,7 @@ from nanopt.config.batch_ramp import BatchRamp, check_batch_warmup, ramp_of
 from nanopt.config.checks import check_non_negative, check_positive, check_range
 from nanopt.config.mixture import Mixture, resolve_mixture, wsd_decay_start
 from nanopt.config.model_config import ModelConfig
+from nanopt.config.seq_stages import SeqStage, check_alone, resolve_stages
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
 from nanopt.parsing import show_value
@@ -110,6 +111,9 @@ class TrainConfig:
     # in whole multiples of it to global_batch_tokens over the first batch_warmup_tokens tokens. None: off.
     batch_warmup_tokens: int | None = None
     batch_warmup_start_tokens: int | None = None
+    # Sequence-length stages (nanopt.config.seq_stages): [{"from": 0.9, "seq_len": 4096}] trains at seq_len, then at
+    # 4096 from 90% of the run on, a micro-batch keeping its tokens. None: seq_len throughout.
+    seq_len_stages: list[Any] | None = None
 
     def validate(self, model: ModelConfig, source: str = "train.json", *, look_up_data: bool = True) -> None:
         # look_up_data False (a checkpoint's snapshot): the dataset it named may be gone now, without harm to it
@@ -157,6 +161,8 @@ class TrainConfig:
         self._check_optimizer(source)
         check_batch_warmup(self.batch_warmup_start_tokens, self.batch_warmup_tokens, self.global_batch_tokens,
                            self.micro_batch_size * self.resolved_seq_len(model), isinstance(self.data, dict), source)
+        check_alone(self.seq_len_stages, self.batch_ramp is not None, isinstance(self.data, dict), source)
+        self.seq_stages(model, source)
         for item in (self.mixture(source).sources if isinstance(self.data, dict) else ()):
             _check_dataset_path(item.path, source, look_up_data)
         check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
@@ -224,6 +230,11 @@ class TrainConfig:
                  if self.lr_schedule == "wsd" else None)
         return resolve_mixture(self.data, self.data_phases, self.total_steps, decay, source)
 
+    def seq_stages(self, model: ModelConfig, source: str = "train.json") -> tuple[SeqStage, ...]:
+        """The run's sequence-length stages, train.json's seq_len from step 0 first (alone without stages)."""
+        return resolve_stages(self.seq_len_stages, self.resolved_seq_len(model), self.micro_batch_size,
+                              self.total_steps, model.max_position_embeddings, source)
+
     def resolved_seq_len(self, model: ModelConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.max_position_embeddings
 
@@ -242,6 +253,11 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.train.resolved_seq_len(self.model)
+
+    @property
+    def seq_stages(self) -> tuple[SeqStage, ...]:
+        """The sequence-length stages, the base (seq_len, from step 0) first; one without seq_len_stages."""
+        return self.train.seq_stages(self.model, str(self.run_dir / "train.json"))
 
     @property
     def data_dir(self) -> Path:

@@ -169,6 +169,14 @@ class TrainLoader:
         ramp = self.batch_ramp
         return step * self.samples_per_step if ramp is None else ramp.tokens_before(step) // self.seq_len
 
+    def tokens_in(self, step: int) -> int:
+        """The global batch of optimizer step `step`, in tokens."""
+        return self.samples_in(step) * self.seq_len
+
+    def seek(self, step: int) -> None:
+        """Move to the start of optimizer step `step` (a rollback's skip, a preflight's chosen step)."""
+        self.load_state_dict({**self.state_dict(), "step": step, "micro_step": 0})
+
     def accum_at(self, step: int) -> int:
         """Micro-batches per rank in optimizer step `step`: grad_accum, or fewer during batch warmup."""
         return self.samples_in(step) // (self.micro_batch_size * self.world_size)

@@ -127,11 +127,12 @@ def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float
     from nanopt.plan.profile import TimedLoader
     from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session
-    from nanopt.train.shape_schedule import skip_the_ramp
+    from nanopt.train.shape_schedule import skip_the_ramp, skip_to_the_longest_stage
 
     progress("setup", 0, 1)
     session = build_session(run, rt, writes=False)
     skip_the_ramp(session)  # batch warmup: time the full-size steps that take most of the run
+    skip_to_the_longest_stage(session)  # seq_len stages: the peak memory and the slowest step
     # Training hashes a dataset of up to 1 GiB whole when it opens it (writes=True); that is part of its setup.
     open_run_data(run)
     if run.train.eval_interval:  # training checks the validation slice before its first step, too

@@ -16,7 +16,8 @@ preflight.json (`version` 1), one JSON object:
                                train.json has); advice ("set micro_batch_size N" when find-batch picked another)
     grad_accum                 micro-batches per optimizer step per rank
     steps                      warmup (run first, not measured: torch.compile's first step is among them) and
-                               measured optimizer steps
+                               measured optimizer steps; seq_len, the sequence length they ran at (under
+                               seq_len_stages the longest stage's, where they start; else train.json's)
     step_time_s                mean seconds of a measured optimizer step (the slowest rank)
     tokens_per_s               global_batch_tokens / step_time_s, over all ranks
     mfu, mfu_note,             MFU (nanopt.model.flops.mfu) against the device's dense peak; on a CPU against the
@@ -43,8 +44,9 @@ preflight.json (`version` 1), one JSON object:
                                the names of those that did not
     fingerprint                the settings that decide speed: model (model.json), seq_len, micro_batch_size,
                                global_batch_tokens, precision, tf32, compile, activation_checkpointing, parallelism,
-                               fp8 (as train.json gives them), world_size. A run whose settings differ makes the file
-                               stale: `nanopt estimate` then does not use it and says which setting changed.
+                               fp8, seq_len_stages (as train.json gives them), world_size. A run whose settings differ
+                               makes the file stale: `nanopt estimate` then does not use it and says which setting
+                               changed.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ FORMAT_VERSION = 1
 
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
 SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
-                  "activation_checkpointing", "parallelism", "fp8")
+                  "activation_checkpointing", "parallelism", "fp8", "seq_len_stages")
 # What a fingerprint written before a setting existed meant by leaving it out.
-_BEFORE_THE_KEY = {"tf32": True, "fp8": "off"}
+_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -75,7 +77,8 @@ def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
     settings = {"model": run.model.to_dict(), "seq_len": run.seq_len, "micro_batch_size": train.micro_batch_size,
                 "global_batch_tokens": train.global_batch_tokens, "precision": train.precision, "tf32": train.tf32,
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
-                "parallelism": train.parallelism, "fp8": train.fp8, "world_size": world_size}
+                "parallelism": train.parallelism, "fp8": train.fp8, "seq_len_stages": train.seq_len_stages,
+                "world_size": world_size}
     return json.loads(json.dumps(settings))
 
 

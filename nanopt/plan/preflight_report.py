@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from nanopt.config import RunConfig
+from nanopt.config.seq_stages import longest
 from nanopt.errors import ConfigError
 from nanopt.hardware import CPU
 from nanopt.plan.preflight_record import FORMAT_VERSION, fingerprint
@@ -89,7 +90,8 @@ def build_report(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measu
         "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "unix_time": round(now, 3), "run": str(run.run_dir), "device": device, "precision": rt.precision,
         "compile": _compiled(run, rt), "micro_batch": m.micro_batch, "grad_accum": run.grad_accum_steps(rt.world_size),
-        "steps": {"warmup": len(m.warmup_s), "measured": len(m.step_s)},
+        "steps": {"warmup": len(m.warmup_s), "measured": len(m.step_s),
+                  "seq_len": longest(run.seq_stages).seq_len},  # under seq_len stages, the longest's
         "step_time_s": step_s, "tokens_per_s": tokens_per_s, **throughput,
         "loader_wait_share": m.loader_wait_share,
         "memory": {"peak_bytes": m.peak_bytes, "early_peak_bytes": m.early_peak_bytes,
@@ -136,7 +138,8 @@ def _throughput(run: RunConfig, rt: Any, tokens_per_s: float) -> dict[str, Any]:
     from nanopt.model.flops import flops_per_token, mfu, mfu_note
 
     peak, source = device_peak_flops(rt.device, rt.precision, rt.tf32)
-    utilization = mfu(tokens_per_s, flops_per_token(run.model, run.seq_len), rt.world_size, peak)
+    measured_at = longest(run.seq_stages).seq_len  # the steps measured: the longest seq_len stage's
+    utilization = mfu(tokens_per_s, flops_per_token(run.model, measured_at), rt.world_size, peak)
     return {"mfu": utilization, "mfu_note": mfu_note(utilization, peak), "peak_flops": peak, "peak_source": source}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import RunConfig
+from nanopt.config.seq_stages import longest
 from nanopt.errors import ConfigError
 from nanopt.files import check_run_dir, copy_file, make_dir, replacing
 from nanopt.model.flops import mfu, mfu_note
@@ -121,7 +122,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
 
     from nanopt.train.parallel import resolve_compile
     from nanopt.train.session import build_session
-    from nanopt.train.shape_schedule import skip_the_ramp
+    from nanopt.train.shape_schedule import skip_the_ramp, skip_to_the_longest_stage
     from nanopt.train.step import step
 
     compiled = resolve_compile(run.train.compile, rt.device)
@@ -129,6 +130,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
         torch._dynamo.utils.counters.clear()  # count this run's graphs and breaks only
     session = build_session(run, rt, writes=False)
     skip_the_ramp(session)  # batch warmup: profile the full-size steps that take most of the run
+    skip_to_the_longest_stage(session)  # seq_len stages: the longest's step, the slowest
     loader = TimedLoader(session.loader)
     session.loader = loader
     out_dir = Path(opts.out_dir or RunDir(run.run_dir).profile_dir)
@@ -208,14 +210,16 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         waited = None  # no device to wait for
     busy = min(busy, step_time)
     tokens_per_s = run.train.global_batch_tokens / step_time
+    # session.flops_per_token is the profiled stage's (skip_to_the_longest_stage)
     utilization = mfu(tokens_per_s, session.flops_per_token, rt.world_size, session.peak_flops)
     data_wait = sum(waits) / steps
+    seq_len, micro_batch_size = _profiled_shape(run)
     return {
         "run": str(run.run_dir), "device": rt.device.type, "precision": rt.precision, "tf32": rt.tf32,
         "compiled": compiled,
         "world_size": rt.world_size, "parallelism": run.train.parallelism,
         "activation_checkpointing": run.train.activation_checkpointing,
-        "micro_batch_size": run.train.micro_batch_size, "grad_accum": session.accum, "seq_len": run.seq_len,
+        "micro_batch_size": micro_batch_size, "grad_accum": session.accum, "seq_len": seq_len,
         "tokens_per_step": run.train.global_batch_tokens,
         "schedule": {"wait": opts.wait, "warmup": opts.warmup, "active": opts.active},
         "step_time_s": step_time, "busy_s": busy, "idle_s": step_time - busy, "busy_share": busy / step_time,
@@ -269,3 +273,11 @@ def compile_report(compiled: bool) -> dict[str, Any]:
             "graph_breaks": int(sum(count for _, count in reasons)), "skipped_frames": skipped,
             "break_reasons": [{"reason": str(reason)[:300], "count": int(count)} for reason, count in reasons],
             "note": "counted by torch._dynamo during the profiled run"}
+
+
+def _profiled_shape(run: RunConfig) -> tuple[int, int]:
+    """(seq_len, micro_batch_size) of the profiled steps: under seq_len stages the longest stage's."""
+    if run.train.seq_len_stages is None:
+        return run.seq_len, run.train.micro_batch_size
+    stage = longest(run.seq_stages)
+    return stage.seq_len, stage.micro_batch_size

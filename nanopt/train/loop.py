@@ -31,7 +31,7 @@ from nanopt.train.recovery import recover_if_needed, spike_pending, start_watchi
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
-from nanopt.train.shape_schedule import step_times, warmup_note
+from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
 from nanopt.train.step import step
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
@@ -115,7 +115,8 @@ def _announce(s: Session) -> None:
     s.observer.note(
         f"{s.run.run_dir}: {params:,} parameters, {s.total_steps} steps of {s.run.train.global_batch_tokens:,} "
         f"tokens (micro-batch {s.run.train.micro_batch_size} x {s.run.seq_len} x {s.rt.world_size} rank(s) x "
-        f"{s.accum} accumulation){warmup_note(s.run.train)}, {s.rt.device.type} {s.rt.precision}"
+        f"{s.accum} accumulation){warmup_note(s.run.train)}{stages_note(s.run, s.prepared.compiled)}, "
+        f"{s.rt.device.type} {s.rt.precision}"
         f"{' without TF32' if s.rt.device.type == 'cuda' and not s.rt.tf32 else ''}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
 
@@ -177,6 +178,8 @@ def loop(s: Session) -> dict[str, Any]:
             _eval_keeping_the_checkpoint(s)
             maybe_checkpoint(s, force=stop)
             window.time += time.perf_counter() - paused  # tokens/s measures training steps only
+            if stage_begins(s) and s.prepared.compiled:  # its new shape compiles in its first step: setup time
+                first_phase = "setup"
             if stop:
                 with s.clock.phase("checkpoint"):
                     wait_for_save(s)

@@ -174,5 +174,5 @@ def _skip_data(s: Session, loader_step: int) -> int:
     """Move the loader (just restored to the checkpoint's position) to the start of optimizer step `loader_step`'s
     batches; returns the samples passed over (the same global count on every rank)."""
     before = s.loader.step
-    s.loader.load_state_dict({**s.loader.state_dict(), "step": loader_step, "micro_step": 0})
+    s.loader.seek(loader_step)
     return s.loader.first_sample_of(loader_step) - s.loader.first_sample_of(before)

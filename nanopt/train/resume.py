@@ -38,9 +38,10 @@ FREE = {"data", "eval_interval", "eval_tokens", "downstream_interval", "checkpoi
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold", "price_per_hour", "on_exit",
         "on_exit_timeout_s", "recovery", "recovery_confirm_steps", "recovery_skip_steps", "recovery_lr_factor",
         "recovery_lr_steps", "max_recoveries", "tensorboard", "wandb_project", "wandb_mode", "data_epochs_warning"}
-# The batch-warmup keys place every step's samples (nanopt.config.batch_ramp): changed, a checkpoint's step would
-# point at other data.
-NEVER = {"seq_len", "global_batch_tokens", "seed", "optimizer", "batch_warmup_tokens", "batch_warmup_start_tokens"}
+# The batch-warmup keys and the sequence-length stages place every step's samples (nanopt.config.batch_ramp,
+# nanopt.config.seq_stages): changed, a checkpoint's step would point at other data.
+NEVER = {"seq_len", "global_batch_tokens", "seed", "optimizer", "batch_warmup_tokens", "batch_warmup_start_tokens",
+         "seq_len_stages"}
 
 
 def data_fingerprint(dataset: Any) -> str:

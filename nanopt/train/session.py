@@ -12,7 +12,7 @@ import torch
 from nanopt.config import RunConfig
 from nanopt.devices import MemoryProbe, check_memory, device_peak_flops, device_price
 from nanopt.errors import ConfigError
-from nanopt.model.flops import count_params, flops_per_token, fp8_peak_label
+from nanopt.model.flops import count_params, fp8_peak_label
 from nanopt.model.memory import estimate_memory
 from nanopt.rundir import RunDir
 from nanopt.runtime import Runtime, seed_everything
@@ -23,6 +23,7 @@ from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.scaling import new_scaler
+from nanopt.train.shape_schedule import run_flops_per_token
 from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
 from nanopt.train.world_fit import micro_batch_for_world
@@ -50,7 +51,7 @@ class Session:
     total_steps: int
     metrics: MetricsLog
     observer: TrainObserver
-    flops_per_token: int
+    flops_per_token: float  # over the whole run: its sequence-length stages' weighted by their tokens
     peak_flops: float | None
     peak_source: str
     memory: MemoryProbe
@@ -99,8 +100,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     loop warns that the data repeats.
     """
     from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, check_document_eos
-    from nanopt.data.loader import TrainLoader, check_compatible
-    from nanopt.data.mixture import MixtureData, MixtureLoader, open_run_data
+    from nanopt.data.loader import check_compatible
+    from nanopt.data.mixture import open_run_data
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
@@ -118,10 +119,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     check_document_eos(dataset, run.model)
     # Before the model, so a split without one whole sequence (or with a bad token id in the first step) fails
     # before any costly work. The loader draws nothing from the RNGs seeded below.
-    loader_type = MixtureLoader if isinstance(dataset, MixtureData) else TrainLoader
-    ramp = {"batch_ramp": run.train.batch_ramp} if run.train.batch_ramp else {}  # a mixture refuses one
-    loader = loader_type(dataset, "train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size,
-                         run.train.seed, **ramp)
+    loader = _train_loader(run, dataset, accum, rt)
     if rt.device.type == "cuda":
         # The next micro-batch is read into pinned memory in a background thread while this one trains, so its
         # copy to the GPU is a non-blocking DMA; on the CPU there is no device to overlap with. Set here, once, so
@@ -142,9 +140,24 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
         run=run, rt=rt, opts=opts, prepared=prepared, optimizer=optimizer, dataset=dataset, accum=accum,
         total_steps=run.total_steps, metrics=MetricsLog(run.run_dir, rt.is_main and writes, sinks),
         observer=observer,
-        flops_per_token=flops_per_token(run.model, run.seq_len), peak_flops=peak, peak_source=source,
+        flops_per_token=run_flops_per_token(run), peak_flops=peak, peak_source=source,
         memory=memory, train_state=TrainState(loader, new_scaler(rt)), spikes=SpikeMonitor(run.train.spike_threshold),
         price_per_hour=price, price_source=price_source, clock=PhaseClock(opts.started or time.time()))
+
+
+def _train_loader(run: RunConfig, dataset: Any, accum: int, rt: Runtime) -> Any:
+    """The loader of the run's training data: a mixture's, one per sequence-length stage, or one TrainLoader
+    (with batch warmup's batches). Stages refuse a mixture and a ramp, and a mixture refuses a ramp."""
+    from nanopt.data.loader import TrainLoader
+    from nanopt.data.mixture import MixtureData, MixtureLoader
+    from nanopt.data.staged_loader import StagedLoader
+
+    args = ("train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size, run.train.seed)
+    if isinstance(dataset, MixtureData):
+        return MixtureLoader(dataset, *args)
+    if run.train.seq_len_stages is not None:
+        return StagedLoader(dataset, "train", run.seq_stages, accum, rt.rank, rt.world_size, run.train.seed)
+    return TrainLoader(dataset, *args, batch_ramp=run.train.batch_ramp)
 
 
 OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon and AdamW", "adamw8bit": "8-bit AdamW"}

@@ -32,8 +32,9 @@ def step(s: Session) -> tuple[float, float, bool]:
     set_lr(s.optimizer, scheduled_lr(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
     scaler = s.train_state.scaler  # fp16 only (nanopt.train.scaling)
-    # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data)
-    accum, tokens = s.loader.accum_at(s.loader.step), s.loader.samples_in(s.loader.step) * s.run.seq_len
+    # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data); its
+    # tokens, whatever its sequence-length stage
+    accum, tokens = s.loader.accum_at(s.loader.step), s.loader.tokens_in(s.loader.step)
     for micro in range(accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)

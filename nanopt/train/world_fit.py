@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from nanopt.config import RunConfig
+from nanopt.config.seq_stages import whole_in_every_stage
 from nanopt.errors import ConfigError
 from nanopt.rundir import STEP_NAME, RunDir
 
@@ -29,7 +30,15 @@ def micro_batch_for_world(run: RunConfig, world_size: int, resume: str) -> tuple
         if resume == "none" or remainder or sequences < 1 or not _has_checkpoints(run):
             raise
     configured = run.train.micro_batch_size
-    fitted = max(size for size in range(1, min(configured, sequences) + 1) if sequences % size == 0)
+    # Under sequence-length stages a micro-batch must also be whole sequences of every stage's length.
+    lengths = [stage.seq_len for stage in run.seq_stages]
+    sizes = [size for size in range(1, min(configured, sequences) + 1)
+             if sequences % size == 0 and whole_in_every_stage(size, run.seq_len, lengths)]
+    if not sizes:
+        raise ConfigError(f"no micro-batch up to {configured} divides the global batch of {smallest:,} tokens on "
+                          f"{world_size} rank(s) into whole sequences of every seq_len stage {lengths}",
+                          "resume on the world size the run was started on")
+    fitted = max(sizes)
     batch = "global batch" if run.train.batch_ramp is None else "batch warmup's first batch"
     note = (f"micro_batch_size {configured} does not divide the {batch} of {smallest:,} "
             f"tokens on {world_size} rank(s): this session uses {fitted} (accumulation {sequences // fitted}), the "

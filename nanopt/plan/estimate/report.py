@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from nanopt.config import RunConfig
+from nanopt.config.seq_stages import stage_tokens
 from nanopt.errors import ConfigError
 from nanopt.hardware import CPU, DEFAULT_GPU, is_cpu, resolve_gpu
 from nanopt.model import flops
@@ -21,6 +22,7 @@ from nanopt.plan.estimate.target import Target, compiled, has_bf16, run_memory, 
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
 from nanopt.shown import shell_word
+from nanopt.train.shape_schedule import longest_stage_run, run_flops_per_token
 
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
@@ -41,11 +43,13 @@ def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     report.update(_budget_section(run, opts, report))
     report.update(_time_section(report, opts, target, measured))
     report["throughput_source"] = source
-    report.update(_memory_section(run, opts, target, precision, report["params"]))
     report.update(_batch_section(run, opts))
+    # Memory, the verdict and the layouts are judged at the longest sequence-length stage: the peak of the run.
+    longest = longest_stage_run(run) if run is not None else None
+    report.update(_memory_section(longest, opts, target, precision, report["params"]))
     mfu = report["gpu"]["mfu"] or DEFAULT_MFU
-    report["fit"] = fit(run, opts.num_gpus, target, precision, report["params"], mfu)
-    report["parallelism"] = parallelism(run, target, precision, opts.num_gpus, mfu)
+    report["fit"] = fit(longest, opts.num_gpus, target, precision, report["params"], mfu)
+    report["parallelism"] = parallelism(longest, target, precision, opts.num_gpus, mfu)
     report["ladder"] = ladder(run, target, precision, opts.num_gpus, mfu)
     report["compare_gpus"] = _compared(run, opts, report)
     report["attention"] = _attention(run, target, precision)
@@ -155,9 +159,9 @@ def _model_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, An
                 "flops_formula": "6N (no architecture given, so no attention term)"}
     count = flops.count_params(run.model)
     return {"params": count.total, "non_embedding_params": count.non_embedding, "seq_len": run.seq_len,
-            "flops_per_token": flops.flops_per_token(run.model, run.seq_len),
-            "flops_per_token_6n": flops.flops_per_token_6n(run.model),
-            "flops_formula": "PaLM: 6 x (non-embedding params + output head) + 12 x layers x hidden x seq_len"}
+            "flops_per_token": run_flops_per_token(run), "flops_per_token_6n": flops.flops_per_token_6n(run.model),
+            "flops_formula": "PaLM: 6 x (non-embedding params + output head) + 12 x layers x hidden x seq_len" +
+                             ("; seq_len stages weighted by their tokens" if len(run.seq_stages) > 1 else "")}
 
 
 def _budget_section(run: RunConfig | None, opts: EstimateOptions, report: dict[str, Any]) -> dict[str, Any]:
@@ -214,12 +218,13 @@ def _memory_section(run: RunConfig | None, opts: EstimateOptions, target: Target
             "memory_assumptions": {"precision": precision, "compile": compiled(run, target),
                                    "activation_checkpointing": run.train.activation_checkpointing,
                                    "parallelism": run.train.parallelism, "world_size": opts.num_gpus,
-                                   "micro_batch_size": run.train.micro_batch_size}}
+                                   "micro_batch_size": run.train.micro_batch_size, "seq_len": run.seq_len}}
 
 
 def _batch_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
     if run is None:
-        return {"optimizer_steps": None, "grad_accum": None, "global_batch_tokens": None, "batch_warmup": None}
+        return {"optimizer_steps": None, "grad_accum": None, "global_batch_tokens": None, "batch_warmup": None,
+                "seq_len_stages": None}
     try:
         accum: Any = run.grad_accum_steps(opts.num_gpus)
     except ConfigError as exc:  # an estimate still helps; the error text says which numbers would work
@@ -228,4 +233,15 @@ def _batch_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, An
     warmup = None if ramp is None else {"start_tokens": ramp.start_tokens, "tokens": ramp.levels[-1].tokens_before,
                                         "steps": ramp.ramp_steps}
     return {"optimizer_steps": run.total_steps, "grad_accum": accum, "batch_warmup": warmup,
+            "seq_len_stages": _stages(run),
             "global_batch_tokens": run.train.global_batch_tokens, "micro_batch_size": run.train.micro_batch_size}
+
+
+def _stages(run: RunConfig) -> list[dict[str, int]] | None:
+    """Each sequence-length stage: its first step (1-based, as the logs count), seq_len, micro-batch and tokens."""
+    stages = run.seq_stages
+    if len(stages) == 1:
+        return None
+    tokens = stage_tokens(stages, run.total_steps, run.train.global_batch_tokens)
+    return [{"first_step": stage.first_step + 1, "seq_len": stage.seq_len, "micro_batch_size": stage.micro_batch_size,
+             "tokens": count} for stage, count in zip(stages, tokens, strict=True)]

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig, TrainConfig
+from nanopt.config.seq_stages import whole_in_every_stage
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_SIZE_BYTES
 from nanopt.parsing import check_option
+from nanopt.train.shape_schedule import longest_stage_run
 
 DEFAULT_MAX = 1024
 MIN_STEPS = 3
@@ -158,7 +160,10 @@ def usable_micro_batches(train: TrainConfig, seq_len: int, world_size: int, maxi
                           f"seq_len x world size = {seq_len} x {world_size}: no micro-batch divides it",
                           f"set {key} to a multiple of {multiple:,}, e.g. "
                           f"{max(1, round(batch / multiple)) * multiple:,}")
-    return [n for n in range(1, min(sequences, maximum) + 1) if sequences % n == 0]
+    # Under sequence-length stages a micro-batch keeps its tokens: it must be whole sequences of every stage's length.
+    lengths = [stage["seq_len"] for stage in train.seq_len_stages or ()]
+    return [n for n in range(1, min(sequences, maximum) + 1)
+            if sequences % n == 0 and whole_in_every_stage(n, seq_len, lengths)]
 
 
 def agree(rt: Any, fits_local: bool) -> bool:
@@ -187,12 +192,13 @@ def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConf
     run accumulates, one where it does not. Accumulating, the gradients stay allocated while the later
     micro-batches run forward (4 bytes a parameter, 4.6 GiB on a 1B model: more than the margin), so a trial of
     one micro-batch a step would pass sizes that run out of memory in training. Two show that peak; more would
-    only repeat it."""
+    only repeat it. Under sequence-length stages the trial runs the longest stage's shape (the same tokens a
+    micro-batch, the largest attention): the size that fits there fits the whole run."""
     accumulation = 2 if trial_accumulates(run, micro_batch_size, world_size) else 1
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
                                 global_batch_tokens=micro_batch_size * run.seq_len * world_size * accumulation,
                                 batch_warmup_tokens=None, batch_warmup_start_tokens=None)  # same micro-batch
-    return dataclasses.replace(run, train=train)
+    return longest_stage_run(dataclasses.replace(run, train=train))
 
 
 def trial_accumulates(run: RunConfig, micro_batch_size: int, world_size: int) -> bool:
