@@ -215,7 +215,8 @@ def test_find_batch_tries_sizes_whole_in_every_stage_at_the_longest_shape(tmp_pa
     run = _staged_run(tmp_path, tiny_dataset, global_batch_tokens=16 * 12)
     assert usable_micro_batches(run.train, 16, 1, 64) == [2, 4, 6, 12]  # 1 and 3 are half a 32-token sequence
     trial = trial_run(run, 4, 1)
-    assert (trial.seq_len, trial.train.micro_batch_size, trial.train.global_batch_tokens) == (32, 2, 64)
+    # 4 x 16 tokens a micro-batch accumulate to the global batch of 192: a trial steps two micro-batches
+    assert (trial.seq_len, trial.train.micro_batch_size, trial.train.global_batch_tokens) == (32, 2, 128)
     assert trial.train.seq_len_stages is None
 
 

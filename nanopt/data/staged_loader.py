@@ -111,6 +111,10 @@ class StagedLoader:
             self.seek(self.current.step)
         return batch
 
+    def plan_ahead(self) -> None:
+        """The next micro-batch's read, in the stage it belongs to (next_batch has already moved there)."""
+        self.current.plan_ahead()
+
     def seek(self, step: int) -> None:
         """Move to the start of optimizer step `step`, in its stage."""
         index = self._index_at(step)
