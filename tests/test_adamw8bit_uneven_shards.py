@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 from distributed import RankFailed, run_ranks
-from test_memory_ladder import EIGHT_BIT, EIGHT_BIT_HANG_GUARD_S, KILLED_AT, train_in_rank
+from test_memory_ladder import EIGHT_BIT, EIGHT_BIT_HANG_GUARD_S, EIGHT_BIT_MODEL, KILLED_AT, train_in_rank
 from trainhelp import HIDE_CUDA, losses, make_run
 
+from nanopt.config import load_run
+from nanopt.errors import CheckpointError
 from nanopt.train.lowbit import quantizes, shard_rows
 
 # MLP rows: 257 (129 + 128 on 2 ranks): fp32 moments, uneven DTensor shards. The attention matrices (128 rows, 64
@@ -42,3 +44,34 @@ def test_adamw8bit_under_fsdp2_with_uneven_shards_trains_and_resumes_exactly_fro
     assert max(losses(resumed)) == KILLED_AT - 1
     run_ranks(train_in_rank, resumed, None, env=env, timeout=EIGHT_BIT_HANG_GUARD_S)
     assert losses(resumed) == losses(straight)
+
+
+def refusal_in_rank(run: Path) -> tuple[str, str] | None:
+    """`nanopt train RUN` in each torchrun worker: the CheckpointError it refused with (message, hint), or None."""
+    from nanopt.train.loop import train
+    from nanopt.train.session import TrainOptions
+
+    try:
+        train(load_run(run), TrainOptions())
+    except CheckpointError as exc:
+        return exc.message, exc.hint
+    return None
+
+
+@pytest.mark.slow
+def test_adamw8bit_moments_that_another_world_size_cannot_hold_are_refused_on_every_rank(tmp_path: Path,
+                                                                                       tiny_dataset: Path):
+    """Rows of 128 values (two make a block): 2 ranks hold a 128-row projection in 8 bits (64 rows each), 3 ranks
+    would split it 43/43/42 and hold it in fp32. Resuming on 3 what 2 wrote is refused before anything is read, in
+    one line saying why and what to do, on all 3 ranks together: none dies alone and leaves the others waiting in
+    a collective (this run is how issue 31's 'stall' showed: one rank's compiled step died, see above)."""
+    pytest.importorskip("torchao")
+    assert quantizes((128, 128), 2) and not quantizes((128, 128), 3)
+    settings = {**EIGHT_BIT, "parallelism": "fsdp", "max_steps": 2, "global_batch_tokens": 6 * 32}
+    run = make_run(tmp_path, tiny_dataset, "run", model={**EIGHT_BIT_MODEL, "hidden_size": 128}, **settings)
+    run_ranks(train_in_rank, run, None, env=HIDE_CUDA, timeout=EIGHT_BIT_HANG_GUARD_S)
+    refusals = run_ranks(refusal_in_rank, run, world_size=3, env=HIDE_CUDA, timeout=EIGHT_BIT_HANG_GUARD_S)
+    assert len(set(refusals)) == 1 and refusals[0] is not None, refusals
+    message, hint = refusals[0]
+    assert "is stored in 8 bits, and 3 rank(s) hold it in fp32" in message and "\n" not in message, message
+    assert "resume on the number of ranks that wrote the checkpoint" in hint
