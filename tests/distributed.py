@@ -24,6 +24,10 @@ from multiprocessing.connection import wait
 from typing import Any
 
 HANG_GUARD_S = 120  # only against a hung test: a rank still running then fails the test; no assertion is about time
+# Once a rank has failed, how long the others may take to end by themselves (most lose their peer and raise within a
+# second) before they are stopped, as torchrun stops the other workers when one fails. Without it, a rank that failed
+# before a collective left the others waiting in it until the hang guard: the test looked hung, not failed.
+PEER_FAILED_GRACE_S = 30.0
 
 # Imported once by the forkserver, so each rank starts from them (torch first: it is most of the import time).
 PRELOAD = ["torch", "torch.distributed", "matplotlib.pyplot", "nanopt.train.loop", "nanopt.evaluate.report",
@@ -39,12 +43,13 @@ class RankTraceback(Exception):
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, env: dict[str, str] | None = None,
-              timeout: float = HANG_GUARD_S) -> list[Any]:
+              timeout: float = HANG_GUARD_S, peer_failed_grace: float = PEER_FAILED_GRACE_S) -> list[Any]:
     """Call `fn(*args)` on `world_size` gloo ranks at once; the ranks' return values, in rank order.
 
     `fn` must be importable by name (a module-level function of a test module) and its arguments and result
     picklable. An exception in a rank is raised here again, the first rank's to fail (the others usually just lost
-    their peer), with the rank's traceback as its cause; a rank that dies or outlives `timeout` fails the test.
+    their peer), with the rank's traceback as its cause; a rank that dies or outlives `timeout` fails the test. The
+    ranks still running `peer_failed_grace` seconds after one failed are stopped, as torchrun stops them.
     """
     import torch.multiprocessing as mp
 
@@ -63,7 +68,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, env: dict
             child_conn.close()
             ranks.append(process)
             conns.append(parent_conn)
-        outcomes = _collect(ranks, conns, timeout)
+        outcomes = _collect(ranks, conns, timeout, peer_failed_grace)
     finally:
         for process in ranks:
             if process.is_alive():
@@ -129,22 +134,26 @@ def _portable(exc: BaseException) -> BaseException:
 # ---------------------------------------------------------------------------------------------- the parent
 
 
-def _collect(ranks: list[Any], conns: list[Any], timeout: float) -> dict[int, tuple]:
+def _collect(ranks: list[Any], conns: list[Any], timeout: float, grace: float) -> dict[int, tuple]:
     """Each rank's outcome, in the order they arrived; a rank that ends without one, or hangs, is an outcome too."""
     outcomes: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
+    why_stopped = f"still running after {timeout:.0f} s (killed)"
     waiting = {conn: rank for rank, conn in enumerate(conns)}
     while waiting:
         ready = wait([*waiting, *(ranks[rank].sentinel for rank in waiting.values())],
                      timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             for rank in waiting.values():
-                outcomes[rank] = ("hung", f"still running after {timeout:.0f} s (killed)")
+                outcomes[rank] = ("hung", why_stopped)
             break
         for conn, rank in list(waiting.items()):
             if conn in ready or ranks[rank].sentinel in ready:
                 outcomes[rank] = _receive(conn, ranks[rank])
                 del waiting[conn]
+                if outcomes[rank][0] != "ok" and time.monotonic() + grace < deadline:
+                    deadline = time.monotonic() + grace
+                    why_stopped = f"still running {grace:.0f} s after rank {rank} failed (killed, as torchrun would)"
     return outcomes
 
 

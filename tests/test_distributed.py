@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 from distributed import RankFailed, run_ranks
@@ -67,6 +68,24 @@ def _hang_on_rank_0() -> None:
 def test_a_hung_rank_fails_the_test_instead_of_blocking_it():
     with pytest.raises(RankFailed, match="rank 0 still running after 3 s"):
         run_ranks(_hang_on_rank_0, timeout=3)
+
+
+def _fail_on_rank_1_while_rank_0_goes_on(marker: str) -> None:
+    import time
+
+    if ranks().rank == 1:  # e.g. a crash before a collective that rank 0 is already waiting in
+        raise ConfigError("train.json: rank 1 stops before the collective", "fix rank 1")
+    time.sleep(60)  # rank 0, waiting for a peer that will never come
+    Path(marker).write_text("rank 0 was left running")
+
+
+def test_the_ranks_left_waiting_for_a_failed_rank_are_stopped_as_torchrun_stops_them(tmp_path: Path):
+    """torchrun stops every worker once one fails; so does the helper, after a grace for the others' own errors, and
+    the test fails with the failed rank's error instead of waiting for its hang guard."""
+    marker = tmp_path / "went-on"
+    with pytest.raises(ConfigError, match="rank 1 stops before the collective"):
+        run_ranks(_fail_on_rank_1_while_rank_0_goes_on, str(marker), peer_failed_grace=1)
+    assert not marker.exists()
 
 
 def _env_var(name: str) -> str:

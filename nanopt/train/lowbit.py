@@ -1,8 +1,9 @@
 """`"optimizer": "adamw8bit"`: AdamW with its two moments in 8 bits (torchao.optim.AdamW8bit: block-wise dynamic
 quantization, a scale per 256 values), about 2 bytes a parameter for the moments instead of 8. torchao is an extra:
 `pip install 'nanopt[lowbit]'`. It runs on the CPU and on CUDA (its step is compiled with torch.compile on first
-use: a few seconds on a CPU), under DDP and under FSDP2 (zero2, fsdp, fsdp_offload), where each rank quantizes its
-own rows of a parameter (torchao's DTensor support).
+use: a few seconds on a CPU), under DDP and under FSDP2 (zero2, fsdp, fsdp_offload), where each rank quantizes and
+steps its own rows of a parameter (the moments are DTensors as torchao makes them; the step is given each rank's
+shard as plain tensors: see `step_own_shards`).
 
 Which moments are 8-bit (`quantizes`): a tensor of 4096 values or more whose rows (dim 0, the dimension FSDP2
 shards) come in groups of whole 256-value blocks, `rows_per_block_group` rows each, with every rank's shard a
@@ -44,12 +45,57 @@ def build_adamw8bit(groups: list[dict], lr: float, betas: tuple[float, float], e
             from None
 
     class ShardAlignedAdamW8bit(AdamW8bit):
-        """torchao's AdamW8bit, its moments made by `new_moment` (whole blocks in every rank's rows)."""
+        """torchao's AdamW8bit, its moments made by `new_moment` (whole blocks in every rank's rows), each rank
+        stepping its own shard (`step_own_shards`)."""
 
         def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
             return new_moment(p, signed)
 
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            step_own_shards(self)
+            return loss
+
     return ShardAlignedAdamW8bit(groups, lr=lr, betas=betas, eps=eps, block_size=BLOCK)
+
+
+def step_own_shards(optimizer: Any) -> None:
+    """torchao's AdamW8bit step (its compiled `single_param_adam`, one parameter at a time; AdamW, no amsgrad, as
+    build_adamw8bit makes it) on each rank's own shard as plain tensors, where torchao passes FSDP2's DTensors.
+
+    The update is elementwise, so a shard's step is the same arithmetic. What changes is the key of torch.compile's
+    on-disk cache (AOTAutograd's, shared by every process of the user): it keys a DTensor by its global shape and
+    layout only, not by this rank's shard (pytorch/pytorch#188390). Where FSDP2 gives one rank a row more than
+    another (torch.chunk: 257 rows on 2 ranks are 129 + 128), a rank that found the other's entry ran a graph
+    compiled for the other shard and died on its first step ("expected size 128==129"), leaving the other ranks
+    waiting in their next collective; a resume failed the same way every time. A plain tensor is keyed by its own
+    shape, dtype and device. On one process and under DDP the tensors are plain already: torchao's own step."""
+    from torchao.optim.adam import single_param_adam
+
+    compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    with torch._dynamo.utils.disable_cache_limit():  # as torchao: one graph per shape of parameter, a fixed number
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = optimizer.state[param]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=new_moment(param, signed=True),
+                                 exp_avg_sq=new_moment(param, signed=False))
+                state["step"] += 1
+                compiled(_local(param.detach()), _local(param.grad), state["step"], _local(state["exp_avg"]),
+                         _local(state["exp_avg_sq"]), None, group["lr"], beta1, beta2, group["weight_decay"],
+                         group["eps"], True, False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a view: updating it updates the DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def is_adamw8bit(optimizer: Any) -> bool:
