@@ -57,7 +57,10 @@ def build_adamw8bit(groups: list[dict], lr: float, betas: tuple[float, float], e
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            step_own_shards(self)
+            if any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
+                step_own_shards(self)
+            else:  # one process or DDP: plain tensors already, torchao's own step
+                super().step()
             return loss
 
     return ShardAlignedAdamW8bit(groups, lr=lr, betas=betas, eps=eps, block_size=BLOCK)
@@ -73,7 +76,8 @@ def step_own_shards(optimizer: Any) -> None:
     another (torch.chunk: 257 rows on 2 ranks are 129 + 128), a rank that found the other's entry ran a graph
     compiled for the other shard and died on its first step ("expected size 128==129"), leaving the other ranks
     waiting in their next collective; a resume failed the same way every time. A plain tensor is keyed by its own
-    shape, dtype and device. On one process and under DDP the tensors are plain already: torchao's own step."""
+    shape, dtype and device. It follows torchao 0.18's step loop; on one process and under DDP (plain tensors
+    already) torchao's own step runs instead."""
     from torchao.optim.adam import single_param_adam
 
     compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
