@@ -63,10 +63,10 @@ class RandomTokens:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs, self.targets
 
+    # What nanopt's step asks of its loader (nanopt/train/step.py; TrainLoader answers the same), nothing more.
+
     def plan_ahead(self) -> None:
-        """Nothing to read ahead. nanopt's step calls it before its host sync (main's TrainLoader.plan_ahead, from
-        5087f65): without it, every nanopt side of bench_train, bench_health and the GPU session failed with
-        AttributeError."""
+        """Nothing to read ahead (TrainLoader plans its next read here, before the step's host sync)."""
 
     def accum_at(self, step: int) -> int:
         """Micro-batches per optimizer step, as nanopt.data.loader.TrainLoader answers (one process, no warmup)."""
@@ -74,6 +74,10 @@ class RandomTokens:
 
     def samples_in(self, step: int) -> int:
         return self.accum * self.batch
+
+    def tokens_in(self, step: int) -> int:
+        """Tokens of optimizer step `step` (TrainLoader: under sequence-length stages, of the step's stage)."""
+        return self.samples_in(step) * self.inputs.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)

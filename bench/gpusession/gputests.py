@@ -1,5 +1,7 @@
-"""The quick GPU-marked tests (`-m "gpu and not slow"`), cheapest files first, so that a step ended by its budget
-has run the most tests it could; each test's outcome is in gpu_tests.txt as it happens."""
+"""The GPU-marked tests (`-m gpu`), cheapest files first, so that a step ended by its budget has run the most tests
+it could; each test's outcome is in gpu_tests.txt as it happens. The slow ones (a run killed and resumed on CUDA,
+in fp32 and in fp16 with its loss scale) come after the quick ones: three tiny training processes each, and no
+window had run them."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from gpusession.records import REPO, Context, append_record, base_record
 # Cheapest first (by what each GPU test starts: no process, one tiny run, a profiled run, a search with trials);
 # a file not named here runs after these, before the search.
 CHEAPEST_FIRST = ("test_gpu_table.py", "test_allocator.py", "test_step_sync.py", "test_prefetch.py",
-                  "test_profile.py", "test_train.py")
+                  "test_profile.py", "test_gpu_lifecycle.py")
+KILL_AND_RESUME = ("test_train.py", "test_fp16.py")  # after the files not named here
 LAST = ("test_find_batch.py",)  # compiled searches: a fresh process and compilation per trial
-MARKS = "gpu and not slow"
+MARKS = "gpu"
 OUTCOMES = ("passed", "failed", "skipped", "deselected", "error", "errors", "xfailed", "xpassed")
 
 
@@ -26,13 +29,15 @@ def gpu_test_files() -> list[str]:
     def rank(name: str) -> tuple[int, int, str]:
         if name in CHEAPEST_FIRST:
             return 0, CHEAPEST_FIRST.index(name), name
-        return (2, LAST.index(name), name) if name in LAST else (1, 0, name)
+        if name in KILL_AND_RESUME:
+            return 2, KILL_AND_RESUME.index(name), name
+        return (3, LAST.index(name), name) if name in LAST else (1, 0, name)
 
     return [f"tests/{name}" for name in sorted(files, key=rank)]
 
 
 def step_gpu_tests(ctx: Context) -> None:
-    """pytest -m "gpu and not slow" on those files; in a smoke run one file, to show the step works."""
+    """pytest -m gpu on those files; in a smoke run one file, to show the step works."""
     target = ["tests/test_gpu_table.py"] if ctx.smoke else gpu_test_files()
     argv = [sys.executable, "-m", "pytest", "-m", MARKS, "-o", "addopts=", "-v", "-ra", "-p", "no:cacheprovider",
             *target]
