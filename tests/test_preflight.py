@@ -62,7 +62,7 @@ def test_preflight_writes_preflight_json_and_nothing_else(tmp_path: Path, tiny_d
     assert json.loads(result.stdout) == report
     assert report["version"] == 1 and report["device"] == {**report["device"], "kind": "cpu", "world_size": 1}
     assert report["micro_batch"] == {"size": 8, "source": "train.json", "train_json": 8, "advice": None}
-    assert report["steps"] == {"warmup": 1, "measured": 6} and len(report["losses"]["measured"]) == 6
+    assert report["steps"] == {"warmup": 1, "measured": 6, "seq_len": 128} and len(report["losses"]["measured"]) == 6
     assert report["ok"] and report["failed"] == [] and set(report["checks"]) == {"loss_falls", "memory_flat",
                                                                                   "loader_wait_small"}
     assert report["eval_s"] > 0 and report["checkpoint_s"] > 0 and report["setup_s"] > 0
