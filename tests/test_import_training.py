@@ -190,3 +190,15 @@ def test_export_cli_of_a_fresh_import_gives_the_source_logits(imported, source, 
         torch.testing.assert_close(again(tokens).logits, source[1](tokens).logits, atol=1e-5, rtol=0)
     exported_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     assert exported_tok(text)["input_ids"] == tokens[0].tolist()
+
+
+def test_retention_keeps_the_imported_model_the_run_continues_from(imported, tiny_dataset, tmp_path, cli_in_process):
+    """keep_checkpoints 2 over 12 steps saved at 4, 8 and 12: the newest two stay, and so does step-000000, the
+    imported weights the run is compared against (re-importing may not give them back: a revision gone, no network),
+    while step-000004 goes."""
+    run = _copy(imported, tmp_path, "kept", tiny_dataset, **{**TINY_TRAIN, "keep_checkpoints": 2})
+    assert cli_in_process("train", run, "--no-live").returncode == 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == \
+        ["step-000000", "step-000008", "step-000012"]
+    meta = json.loads((run / "checkpoints" / "step-000000" / "meta.json").read_text())
+    assert meta["imported_from"]["source"]

@@ -1,4 +1,5 @@
-"""Retention: all but the newest `keep_checkpoints` deleted, never the newest, never the one `best` names, never one
+"""Retention: all but the newest `keep_checkpoints` deleted, never the newest, never the one `best` names, never the
+imported model a run continues from (`nanopt import`'s step 0: the baseline its evaluations compare against), never one
 a reader holds (nanopt.train.checkpoint.hold: it is deleted by the first retention after its hold ends), and
 only directories nanopt wrote (named after the step their meta.json records); and the clean-up of the `.tmp-*`
 directories a killed process left."""
@@ -18,15 +19,25 @@ from nanopt.train.checkpoint.write import remove_step_dir
 
 def apply_retention(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints (returns those deleted); never the newest, never the one `best`
-    names, never a held one. Only directories nanopt wrote count, named after the step their meta.json records: a
+    names, never the imported model the run started from, never a held one. Only directories nanopt wrote count, named after the step their meta.json records: a
     foreign or renamed one is never deleted and takes no slot (else it would keep one of the `keep` real checkpoints
     from being kept)."""
     root = checkpoints_dir(run_dir)
     protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
     complete = [p for p in complete_checkpoints(run_dir) if _named_after_its_step(p)]
-    doomed = [p for p in complete[:-max(1, keep)] if p.name not in protected and not is_held(run_dir, p.name)]
+    doomed = [p for p in complete[:-max(1, keep)]
+              if p.name not in protected and not _imported(p) and not is_held(run_dir, p.name)]
     # Looked for again once each is renamed: a hold taken meanwhile gives it back (see hold's race note).
     return [path for path in doomed if remove_step_dir(path, spare=lambda name=path.name: is_held(run_dir, name))]
+
+
+def _imported(path: Path) -> bool:
+    """Whether `path` is the checkpoint `nanopt import` wrote: re-downloading it may not give it back (a revision
+    gone, no network), and a continued run is judged against it."""
+    try:
+        return bool(read_meta(path / "meta.json").get("imported_from"))
+    except (NanoptError, AttributeError):
+        return False
 
 
 def _named_after_its_step(path: Path) -> bool:
