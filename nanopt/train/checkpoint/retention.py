@@ -19,9 +19,9 @@ from nanopt.train.checkpoint.write import remove_step_dir
 
 def apply_retention(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints (returns those deleted); never the newest, never the one `best`
-    names, never the imported model the run started from, never a held one. Only directories nanopt wrote count, named after the step their meta.json records: a
-    foreign or renamed one is never deleted and takes no slot (else it would keep one of the `keep` real checkpoints
-    from being kept)."""
+    names, never the imported model the run started from, never a held one. Only directories nanopt wrote count,
+    named after the step their meta.json records: a foreign or renamed one is never deleted and takes no slot (else
+    it would keep one of the `keep` real checkpoints from being kept)."""
     root = checkpoints_dir(run_dir)
     protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
     complete = [p for p in complete_checkpoints(run_dir) if _named_after_its_step(p)]
