@@ -116,7 +116,7 @@ def _copy_source(sources, name: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ("hidden_act", "gelu"), ("head_dim", 16),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 8.0}), ("hidden_act", "gelu"), ("head_dim", 16),
     ("sliding_window", 16),
 ])
 def test_config_nanopt_cannot_represent_is_refused(key, value, sources, tmp_path, cli_in_process):

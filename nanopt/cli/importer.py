@@ -17,9 +17,10 @@ from nanopt.cli.app import app, console, print_json
 EPILOG = """
 SOURCE is a local directory saved by transformers' save_pretrained, or a hub name (config, tokenizer and safetensors
 files are downloaded; pickle weights never are, and a pickle-only model is refused). GPT-2 and Llama-shaped models
-(Llama, SmolLM; Qwen2 and Qwen3 without sliding windows, as qkv_bias / qk_norm) are imported when nanopt's model
-computes exactly what transformers does; anything else (rope scaling, another activation, a head size other than
-hidden / heads, ...) is refused in one line naming the key.
+(Llama, with Llama 3.1 / 3.2's llama3 RoPE scaling as model.json's rope_scaling; SmolLM; Qwen2 and Qwen3 without
+sliding windows, as qkv_bias / qk_norm) are imported when nanopt's model computes exactly what transformers does;
+anything else (another RoPE scaling, another activation, a head size other than hidden / heads, ...) is refused in
+one line naming the key.
 
 The run gets model.json, train.json (continued-pretraining defaults; set its `data`) and checkpoints/step-000000:
 the weights as float32 and the tokenizer. `nanopt train` starts from those weights with a fresh optimizer at step

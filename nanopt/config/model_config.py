@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nanopt.config.checks import check_positive, divisors
+from nanopt.config.rope_scaling import check_rope_scaling
 from nanopt.errors import ConfigError
 
 Architecture = Literal["llama", "gpt2"]
@@ -34,6 +35,9 @@ class ModelConfig:
     intermediate_size: int | None = None  # default: 4 x hidden (gpt2); the Llama 8/3 rule rounded to 256
     num_key_value_heads: int | None = None  # default: num_attention_heads (no GQA)
     rope_theta: float = 10000.0
+    # Llama 3's frequency scaling (nanopt.config.rope_scaling), or None for plain RoPE. A JSON object, so it is left
+    # out of the hash (a ModelConfig keys caches): configs that differ only here hash alike and still compare unequal.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     rms_norm_eps: float = 1e-5
     layer_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
@@ -99,6 +103,7 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{source}: key '{name}': must be positive, got {getattr(self, name)}",
                                   "see runs/*/model.json for typical values")
+        check_rope_scaling(self.rope_scaling, self.architecture, f"{source}: key 'rope_scaling'")
         self._check_document_masking(source)
 
     def _check_document_masking(self, source: str) -> None:

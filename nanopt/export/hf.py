@@ -10,10 +10,10 @@ tokenizer_config.json and special_tokens_map.json, so that `AutoModelForCausalLM
   its c_attn fuses the q, k and v projections into one matrix.
 
 config.json carries both spellings that differ between transformers 4 and 5 (`torch_dtype` / `dtype`,
-`rope_theta` / `rope_parameters`), so either major version reads it. The directory is built beside `out_dir` and
-renamed into place, so a failed export leaves nothing half-written. It and its files get 0755 / 0644 less the
-umask, so others on a shared machine can load the export and none can change it; nothing is written through a link
-(nanopt.files).
+`rope_theta` and `rope_scaling` / `rope_parameters`), so either major version reads it. The directory is built
+beside `out_dir` and renamed into place, so a failed export leaves nothing half-written. It and its files get
+0755 / 0644 less the umask, so others on a shared machine can load the export and none can change it; nothing is
+written through a link (nanopt.files).
 
 `force` replaces an earlier export and nothing else: a directory is an export when it holds config.json and
 model.safetensors and no entry but the files listed in EXPORT_FILES. The run directory, anything that contains it
@@ -119,8 +119,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = Non
             "max_position_embeddings": cfg.max_position_embeddings,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            **_rope_keys(cfg),
             # Llama and Qwen3: one switch for q/k/v/o; Qwen2 has q/k/v biases built in (and no such key)
             **({} if family == "qwen2" else {"attention_bias": cfg.attention_bias}),
             **({"mlp_bias": cfg.mlp_bias} if family == "llama" else {"use_sliding_window": False}),
@@ -146,6 +145,14 @@ def hf_config(cfg: ModelConfig, eos_id: int | None, vocab_size: int | None = Non
         "reorder_and_upcast_attn": False,
         **common,
     }
+
+
+def _rope_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """RoPE in both spellings: transformers 4 reads rope_theta and rope_scaling, transformers 5 rope_parameters."""
+    if cfg.rope_scaling is None:
+        return {"rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": dict(cfg.rope_scaling),
+            "rope_parameters": {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}}
 
 
 # ----------------------------------------------------------------------------------------------- weights

@@ -3,10 +3,10 @@ Qwen2ForCausalLM: biases on q/k/v only, model.json's qkv_bias; Qwen3ForCausalLM:
 
 Only a model nanopt computes exactly as transformers does is imported: every config.json key that changes the
 computation is either mapped, checked to be the value nanopt's model assumes, or refused in one line that names
-it (rope scaling nanopt lacks, a head size that is not hidden / heads, another activation, sliding windows, ...).
-Keys that do not change the logits (token ids, dtypes, dropout probabilities, cache flags) are ignored. An
+it (RoPE scaling other than Llama 3's, a head size that is not hidden / heads, another activation, sliding windows,
+...). Keys that do not change the logits (token ids, dtypes, dropout probabilities, cache flags) are ignored. An
 unknown key whose value is null, false or 0 changes nothing either; any other unknown key is refused, because
-transformers may compute with it.
+transformers may compute with it. Llama 3.1 / 3.2's llama3 RoPE scaling becomes model.json's `rope_scaling`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import ModelConfig
+from nanopt.config.rope_scaling import check_rope_scaling
 from nanopt.errors import ConfigError
 from nanopt.parsing import show_value
 
@@ -84,17 +85,7 @@ def _gpt2(config: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]]
 
 def _llama(config: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]]:
     _require(config, "hidden_act", ("silu",), where, "silu")
-    if config.get("rope_scaling") is not None:
-        raise ConfigError(f"{where}: key 'rope_scaling': {show_value(config['rope_scaling'])}: nanopt's RoPE has no "
-                          "scaling, so positions would be encoded differently", HINT)
-    theta = _number(config, "rope_theta", where, 10000.0)
-    parameters = config.get("rope_parameters")
-    if parameters is not None:  # transformers 5 spells rope_theta (and any scaling) here
-        if not isinstance(parameters, dict) or parameters.get("rope_type", "default") != "default" \
-                or set(parameters) - {"rope_type", "rope_theta"}:
-            raise ConfigError(f"{where}: key 'rope_parameters': {show_value(parameters, 80)}: nanopt's RoPE is the "
-                              "default type, without scaling", HINT)
-        theta = _number(parameters, "rope_theta", where, theta)
+    theta, scaling = _rope(config, where)
     hidden, heads = _integer(config, "hidden_size", where), _integer(config, "num_attention_heads", where)
     head_dim = config.get("head_dim")
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim * heads != hidden):
@@ -106,7 +97,7 @@ def _llama(config: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]
         "num_hidden_layers": _integer(config, "num_hidden_layers", where), "num_attention_heads": heads,
         "num_key_value_heads": _integer(config, "num_key_value_heads", where, heads),
         "max_position_embeddings": _integer(config, "max_position_embeddings", where),
-        "rope_theta": theta, "rms_norm_eps": _number(config, "rms_norm_eps", where, 1e-6),
+        "rope_theta": theta, "rope_scaling": scaling, "rms_norm_eps": _number(config, "rms_norm_eps", where, 1e-6),
         "tie_word_embeddings": _flag(config, "tie_word_embeddings", where, False),
         "attention_bias": _flag(config, "attention_bias", where, False),
         "mlp_bias": _flag(config, "mlp_bias", where, False), "dropout": 0.0,
@@ -115,6 +106,44 @@ def _llama(config: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]
             "head_dim", "vocab_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
             "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias"}
     return fields, used
+
+
+def _rope(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and model.json's rope_scaling (None: plain RoPE). transformers 4 spells a scaling `rope_scaling`,
+    transformers 5 `rope_parameters` (with rope_theta inside); nanopt's export writes both, alike."""
+    theta = _number(config, "rope_theta", where, 10000.0)
+    scaled = {}
+    if config.get("rope_scaling") is not None:
+        scaled["rope_scaling"] = _llama3(config["rope_scaling"], f"{where}: key 'rope_scaling'")
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise ConfigError(f"{where}: key 'rope_parameters': {show_value(parameters, 80)} is not a JSON object",
+                              HINT)
+        theta = _number(parameters, "rope_theta", where, theta)
+        rest = {key: value for key, value in parameters.items() if key != "rope_theta"}
+        if rest.get("rope_type", "default") != "default" or set(rest) - {"rope_type"}:
+            scaled["rope_parameters"] = _llama3(rest, f"{where}: key 'rope_parameters'")
+    if len(scaled) == 2 and scaled["rope_scaling"] != scaled["rope_parameters"]:
+        raise ConfigError(f"{where}: key 'rope_scaling': {show_value(config['rope_scaling'], 80)} scales RoPE "
+                          f"otherwise than key 'rope_parameters': {show_value(parameters, 80)}",
+                          "keep the one transformers should read, or make them agree")
+    return theta, next(iter(scaled.values()), None)
+
+
+def _llama3(scaling: Any, where: str) -> dict[str, Any]:
+    """A config.json's RoPE scaling as model.json's rope_scaling, or ConfigError: llama3 is the only type nanopt's
+    model computes (older configs name the type `type`)."""
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: {show_value(scaling, 80)} is not a JSON object", HINT)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ConfigError(f"{where}: {show_value(scaling, 80)}: nanopt's RoPE computes the default type and llama3 "
+                          "scaling only, so positions would be encoded differently", HINT)
+    converted = {"rope_type": kind, **{key: value for key, value in scaling.items()
+                                       if key not in ("rope_type", "type")}}
+    check_rope_scaling(converted, "llama", where)
+    return converted
 
 
 def _qwen(config: dict[str, Any], where: str, kind: str, fields: dict[str, Any]) -> set[str]:

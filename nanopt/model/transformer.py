@@ -5,7 +5,8 @@ wraps it (compile, DDP, FSDP2 per element of `layers`, activation checkpointing)
 
 Two architectures share one module tree:
 
-- "llama": RoPE (rotate-half convention, as Hugging Face Llama), RMSNorm, SwiGLU MLP, grouped-query attention.
+- "llama": RoPE (rotate-half convention, as Hugging Face Llama; Llama 3 frequency scaling with `rope_scaling`,
+  nanopt.model.rope), RMSNorm, SwiGLU MLP, grouped-query attention.
 - "gpt2": learned position embeddings, LayerNorm with bias, GELU (tanh approximation) MLP.
 
 State-dict keys (`{i}` is the layer index; `.bias` keys exist only where the config asks for biases):
@@ -56,6 +57,7 @@ from nanopt.errors import ConfigError
 from nanopt.model.documents import compute_dtype, document_mask, document_positions
 from nanopt.model.fp8 import HeadMode
 from nanopt.model.loss import chunked_cross_entropy
+from nanopt.model.rope import rope_inv_freq
 
 
 class KVCache:
@@ -112,8 +114,7 @@ def rope_at(cfg: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
     Computed per forward rather than kept as a buffer: it is tiny, and a buffer would be lost by meta-device
     construction followed by `to_empty`.
     """
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    inv_freq = rope_inv_freq(cfg, positions.device)  # with model.json's rope_scaling, if any
     angles = positions.float()[..., None] * inv_freq  # elementwise, so autocast cannot lower it to bf16
     angles = torch.cat((angles, angles), dim=-1)
     if angles.dim() == 3:
