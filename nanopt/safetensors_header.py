@@ -91,7 +91,7 @@ def _tensor(info: Any, base: int, size: int, bad: Any) -> StoredTensor:
     if not isinstance(info, dict):
         raise bad("has no description")
     shape, offsets, dtype = info.get("shape"), info.get("data_offsets"), info.get("dtype")
-    if dtype not in DTYPES:
+    if not (isinstance(dtype, str) and dtype in DTYPES):  # a list or a map is not hashable
         raise bad(f"has dtype {str(dtype)[:20]!r}, which nanopt does not read (it reads {', '.join(DTYPES)})")
     if not (isinstance(shape, list) and all(_whole(d) and 0 <= d < MAX_DIMENSION for d in shape)):
         raise bad(f"has shape {str(shape)[:40]} (dimensions are whole numbers below 2**40)")

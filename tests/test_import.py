@@ -153,7 +153,7 @@ def _overlap_last_tensor(header: dict, data: bytearray) -> None:
 
 # Headers the importer once read as good, whose tensors still lie inside the file at their stated size: bytes two
 # tensors share, bytes no tensor owns, metadata that is not text, and a buffer nanopt skips (GPT-2's attention
-# mask) in a dtype nanopt does not read or of the wrong size.
+# mask) in a dtype nanopt does not read or of the wrong size; and a dtype that is not a string (once a traceback).
 SOURCE_HEADERS = {
     "overlapping_tensors": (_overlap_last_tensor, "overlaps"),
     "bytes_after_the_last_tensor": (lambda header, data: data.extend(bytes(8)), "8 bytes after its last tensor"),
@@ -163,6 +163,7 @@ SOURCE_HEADERS = {
                                           "has dtype 'F8_E4M3'"),
     "integer_buffer_of_the_wrong_size": (append_tensor("transformer.h.0.attn.bias", "I64", [4], 8),
                                          "is I64 (4,), but 8 bytes are stored for it"),
+    "dtype_a_list": (lambda header, data: header["transformer.wte.weight"].update(dtype=[]), "has dtype '[]'"),
 }
 
 
