@@ -8,6 +8,7 @@ Every case edits the meta.json of a real checkpoint that `nanopt train` wrote (a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 from clihelp import REPO, assert_user_error
 from faulthelp import Launcher, tiny_run, tree_digest
+from safetensorshelp import append_tensor, rewrite
 from trainhelp import HIDE_CUDA
 
 NEWEST = "step-000004"
@@ -86,6 +88,29 @@ def test_weights_that_disagree_with_the_snapshot_are_one_line(trained: Path, tmp
         assert_user_error(cli_in_process(*command), "weights do not match its own model config",
                           "layers.0.mlp.down_proj.weight has shape (16, 32), the model's (16, 48)")
     assert_falls_back(launcher, run, "weights do not match")
+
+
+# Optimizer state under a name AdamW does not use is left to the optimizer, which ignores it; its header is still
+# read as a stranger's file, with the checks safetensors' own loader skips.
+STATE_HEADERS = {
+    "dtype_nanopt_does_not_read": (("U16", [2], 4), "has dtype 'U16', which nanopt does not read"),
+    "dimension_past_2_40": (("F32", [2**41, 0], 0), "has shape [2199023255552, 0]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(STATE_HEADERS))
+def test_an_optimizer_header_safetensors_accepts_but_nanopt_does_not_read_is_one_line(trained: Path, tmp_path: Path,
+                                                                                      damage: str, cli_in_process):
+    (dtype, shape, size), fragment = STATE_HEADERS[damage]
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    checkpoint = run / "checkpoints" / NEWEST
+    optimizer = checkpoint / "optimizer.safetensors"
+    rewrite(optimizer, append_tensor("embed_tokens.weight/unknown_state", dtype, shape, size))
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"]["optimizer.safetensors"] = hashlib.sha256(optimizer.read_bytes()).hexdigest()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    assert_user_error(cli_in_process("eval", run, "--no-loss", "--checkpoint", NEWEST), "optimizer.safetensors",
+                      "tensor 'embed_tokens.weight/unknown_state'", fragment)
 
 
 def run_measured(*args: object) -> tuple[SimpleNamespace, int]:

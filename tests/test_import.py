@@ -13,6 +13,7 @@ import pytest
 import torch
 from clihelp import assert_user_error, run_cli
 from importhelp import gpt2, llama, save
+from safetensorshelp import append_tensor, rewrite
 from trainhelp import losses
 
 transformers = pytest.importorskip("transformers")
@@ -141,6 +142,38 @@ def test_corrupt_shard_leaves_no_run(sources, tmp_path, cli_in_process):
     last.write_bytes(last.read_bytes()[:-100])  # truncated: the header promises bytes the file does not have
     assert_user_error(cli_in_process("import", source, "--run", tmp_path / "r"), last.name)
     assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]  # no run, no staging directory
+
+
+def _overlap_last_tensor(header: dict, data: bytearray) -> None:
+    """The file's last tensor moved back one element, into its neighbour's bytes; the file ends where it now does."""
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    header[name]["data_offsets"] = [offset - 4 for offset in header[name]["data_offsets"]]
+    del data[-4:]
+
+
+# Headers the importer once read as good, whose tensors still lie inside the file at their stated size: bytes two
+# tensors share, bytes no tensor owns, metadata that is not text, and a buffer nanopt skips (GPT-2's attention
+# mask) in a dtype nanopt does not read or of the wrong size; and a dtype that is not a string (once a traceback).
+SOURCE_HEADERS = {
+    "overlapping_tensors": (_overlap_last_tensor, "overlaps"),
+    "bytes_after_the_last_tensor": (lambda header, data: data.extend(bytes(8)), "8 bytes after its last tensor"),
+    "metadata_not_strings": (lambda header, data: header.update(__metadata__={"format": 1}),
+                             "__metadata__ is {'format': 1}, not a map of strings"),
+    "buffer_dtype_nanopt_does_not_read": (append_tensor("transformer.h.0.attn.bias", "F8_E4M3", [2], 2),
+                                          "has dtype 'F8_E4M3'"),
+    "integer_buffer_of_the_wrong_size": (append_tensor("transformer.h.0.attn.bias", "I64", [4], 8),
+                                         "is I64 (4,), but 8 bytes are stored for it"),
+    "dtype_a_list": (lambda header, data: header["transformer.wte.weight"].update(dtype=[]), "has dtype '[]'"),
+}
+
+
+@pytest.mark.parametrize("damage", list(SOURCE_HEADERS))
+def test_a_crafted_header_is_refused_before_anything_is_written(damage, sources, tmp_path, cli_in_process):
+    edit, fragment = SOURCE_HEADERS[damage]
+    source = _copy_source(sources, "gpt2", tmp_path)
+    rewrite(source / "model.safetensors", edit)
+    assert_user_error(cli_in_process("import", source, "--run", tmp_path / "r"), "model.safetensors", fragment)
+    assert not (tmp_path / "r").exists()
 
 
 def test_continued_pretraining_lowers_the_loss(sources, tiny_dataset, tmp_path, cli_in_process):

@@ -1,12 +1,12 @@
 """The source's safetensors tensors -> the checkpoint's model.safetensors, one tensor at a time.
 
-Each source file's header is read and checked first (bounded, every tensor inside the file and exactly as large as
-its shape and dtype say), the names and shapes are compared with what nanopt.model.hf_names says the model holds,
-and only then is anything written. The output file is written by nanopt, not by safetensors' save_file, so the
-whole model is never in memory: its header is known from the shapes, then each source tensor is read with a plain
-read (no memory map: the pages of a read-once file would count as the process's memory), converted to fp32 (the
-master weights nanopt trains), transposed or split where GPT-2's layout asks, and written. Peak memory is a few
-copies of the largest tensor, whatever the model's size.
+Each source file's header is read and checked first (nanopt.safetensors_header: bounded, every tensor inside the
+file, exactly as large as its shape and dtype say, and in a dtype nanopt reads), the names and shapes are compared
+with what nanopt.model.hf_names says the model holds, and only then is anything written. The output file is written
+by nanopt, not by safetensors' save_file, so the whole model is never in memory: its header is known from the
+shapes, then each source tensor is read with a plain read (no memory map: the pages of a read-once file would count
+as the process's memory), converted to fp32 (the master weights nanopt trains), transposed or split where GPT-2's
+layout asks, and written. Peak memory is a few copies of the largest tensor, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from nanopt.files import open_file
 from nanopt.model.hf_names import HFTensor, hf_tensors
 from nanopt.model.layout import few, tensor_specs
 from nanopt.parsing import open_regular
+from nanopt.safetensors_header import read_header
 
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# The dtypes a weight may come in (the header's reader admits integer buffers too; plan refuses them as weights).
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # Buffers some checkpoints store that are not weights: GPT-2's causal mask, old Llama's RoPE frequencies.
 _BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)|model\.layers\.\d+\.self_attn\.rotary_emb\."
@@ -66,44 +67,8 @@ def read_headers(files: list[Path]) -> dict[str, Stored]:
 
 
 def _header(file: Path) -> dict[str, Stored]:
-    with open_regular(file, CheckpointError, HINT, "safetensors file") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        prefix = f.read(8)
-        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(f"{file}: not a safetensors file (a header of {length} bytes in {size})", HINT)
-        try:
-            header = json.loads(f.read(length))
-        except (ValueError, RecursionError):
-            raise CheckpointError(f"{file}: its safetensors header is not JSON", HINT) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: its safetensors header is not an object", HINT)
-    base, tensors = 8 + length, {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            tensors[name] = _stored(file, name, info, base, size)
-    return tensors
-
-
-def _stored(file: Path, name: str, info: Any, base: int, size: int) -> Stored:
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{file}: tensor {name[:80]!r} {what}", HINT)
-
-    if not isinstance(info, dict):
-        raise bad("has no description")
-    shape, offsets, dtype = info.get("shape"), info.get("data_offsets"), info.get("dtype")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40
-                                            for d in shape)):
-        raise bad(f"has shape {str(shape)[:40]}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= size - base):
-        raise bad(f"has offsets {str(offsets)[:40]} outside the file")
-    if dtype not in _DTYPES:  # checked when the tensor is needed: an unused integer buffer may be anything
-        return Stored(file, str(dtype)[:8], tuple(shape), base + offsets[0], base + offsets[1])
-    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPES[dtype].itemsize:
-        raise bad(f"is {dtype} {tuple(shape)}, but {offsets[1] - offsets[0]:,} bytes are stored for it")
-    return Stored(file, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+    return {name: Stored(file, tensor.dtype, tensor.shape, tensor.start, tensor.end)
+            for name, tensor in read_header(file, CheckpointError, HINT).items()}
 
 
 def plan(cfg: ModelConfig, stored: dict[str, Stored]) -> list[Planned]:

@@ -1,13 +1,13 @@
 """A checkpoint's stored tensors and optimizer groups against its own config snapshot, before anything is loaded.
 
 The snapshot is validated as model.json is (nanopt.config.model_config_from_snapshot), the model it describes is
-built on the meta device (nanopt.model.layout), and the stored side is read from file headers only: the
-safetensors headers of a one-process checkpoint, the shard index of a sharded one. Every weight must be there
-with the model's shape and dtype and nothing else; optimizer state only for the model's parameters, shaped like
-them; the optimizer's parameter groups exactly those build_optimizer makes; the tied names and the EOS id the
-model's. Only then does eval, export or train allocate anything, so a snapshot can never ask for memory the files
-do not back (a 1.7 GB model from a 270 KB checkpoint), and a damaged or crafted checkpoint is skipped or refused in
-one line instead of failing in torch.
+built on the meta device (nanopt.model.layout), and the stored side is read from file headers only: the safetensors
+headers of a one-process checkpoint (nanopt.safetensors_header, which checks each file's own integrity), the shard
+index of a sharded one. Every weight must be there with the model's shape and dtype and nothing else; optimizer
+state only for the model's parameters, shaped like them; the optimizer's parameter groups exactly those
+build_optimizer makes; the tied names and the EOS id the model's. Only then does eval, export or train allocate
+anything, so a snapshot can never ask for memory the files do not back (a 1.7 GB model from a 270 KB checkpoint),
+and a damaged or crafted checkpoint is skipped or refused in one line instead of failing in torch.
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
-
 from nanopt.config import ModelConfig, model_config_from_snapshot
 from nanopt.errors import CheckpointError, ConfigError
 from nanopt.model.layout import TensorSpec, meta_model, mismatch, parameter_specs, tensor_specs, tied_aliases
+from nanopt.safetensors_header import read_header
 from nanopt.train import sharded
 from nanopt.train.meta_fields import Bad
 
-# safetensors' dtype names -> torch's
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # Optimizer state shaped like its parameter (AdamW's moments, Muon's momentum); "step" is a scalar. Other names
 # (a newer torch's) are left to the optimizer, which reads only the names it knows.
 _LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
@@ -93,17 +89,8 @@ def _stored(path: Path, meta: dict[str, Any]) -> tuple[dict[str, TensorSpec], di
 
 
 def _header(file: Path) -> dict[str, TensorSpec]:
-    try:
-        with safe_open(str(file), framework="pt") as opened:
-            return {key: _spec(opened.get_slice(key)) for key in opened.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc)[:120]})",
-                              "use another checkpoint") from None
-
-
-def _spec(tensor_slice: Any) -> TensorSpec:
-    dtype = tensor_slice.get_dtype()
-    return TensorSpec(tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
+    return {name: TensorSpec(tensor.shape, tensor.torch_dtype)
+            for name, tensor in read_header(file, CheckpointError, "use another checkpoint").items()}
 
 
 def _optimizer_state_problem(state: dict[str, TensorSpec], params: dict[str, TensorSpec]) -> str | None:
