@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from clihelp import REPO
+from memoryhelp import saved_by_blocks
 
 from nanopt.config import ModelConfig, load_run
 from nanopt.model.memory import activation_bytes_per_token_per_layer, estimate_memory
@@ -91,31 +92,6 @@ def test_checkpointing_peaks_in_the_loss_at_a_large_micro_batch_and_in_backward_
     assert memory.total(8) > states + 8 * memory.recompute_per_sequence
 
 
-def saved_bytes_in_blocks(model: Transformer, batch: torch.Tensor) -> int:
-    """Bytes of the distinct storages the blocks hand to autograd's saved-tensor hooks in one bf16 autocast forward."""
-    saved: dict[int, int] = {}
-    inside: list[bool] = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if inside:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    def enter(*_) -> None:
-        inside.append(True)
-
-    def leave(*_) -> None:
-        inside.pop()
-
-    for block in model.layers:
-        block.register_forward_pre_hook(enter)
-        block.register_forward_hook(leave)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        model(batch[:, :-1], batch[:, 1:])
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])
 def test_eager_autocast_bytes_are_what_the_blocks_save(architecture: str):
     """Under bf16 autocast on the CPU (the same casts as on CUDA: fp32 norms, a new cast of their output at every
@@ -127,7 +103,8 @@ def test_eager_autocast_bytes_are_what_the_blocks_save(architecture: str):
     torch.manual_seed(0)
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
-    slope = (saved_bytes_in_blocks(model, tokens) - saved_bytes_in_blocks(model, tokens[:2])) / (2 * 128)
+    four, two = (saved_by_blocks(model, batch, autocast=torch.bfloat16) for batch in (tokens, tokens[:2]))
+    slope = (four - two) / (2 * 128)
     assert slope / cfg.num_hidden_layers == activation_bytes_per_token_per_layer(cfg, 2, compiled=False)
 
 

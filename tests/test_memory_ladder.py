@@ -14,6 +14,7 @@ import torch
 from clihelp import assert_user_error
 from distributed import RankFailed, run_ranks
 from faulthelp import tiny_run
+from memoryhelp import saved_by_blocks
 from trainhelp import HIDE_CUDA, losses, make_run
 
 from nanopt.config import ModelConfig, load_run
@@ -250,56 +251,6 @@ def test_bytes_per_parameter_of_each_rung_are_the_tensors_allocated(tmp_path: Pa
 STATES = ("weights", "gradients", "optimizer")
 
 
-def _saved_by_blocks(model: torch.nn.Module, batch: torch.Tensor) -> int:
-    """Bytes the transformer blocks keep for backward in one forward pass: the distinct storages handed to autograd's
-    saved-tensor hooks while a block runs (a checkpointed block's input included: torch saves it through them),
-    and what selective checkpointing's cache holds (torch keeps that outside the hooks, so its caching mode is
-    watched), weights excluded."""
-    import torch.utils.checkpoint as torch_checkpoint
-
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-    inside = []
-
-    def note(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if inside and storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        note(tensor)
-        return tensor
-
-    caching = torch_checkpoint._CachingTorchDispatchMode
-    original = caching.__torch_dispatch__
-
-    def watched(self, func, types, args=(), kwargs=None):
-        out = original(self, func, types, args, kwargs)
-        policy = self.policy_fn(torch_checkpoint.SelectiveCheckpointContext(is_recompute=False), func, *args)
-        if policy == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
-            for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if torch.is_tensor(tensor):
-                    note(tensor)
-        return out
-
-    def enter(*_) -> None:
-        inside.append(True)
-
-    def leave(*_) -> None:
-        inside.pop()
-
-    for block in model.layers:
-        block.register_forward_pre_hook(enter)
-        block.register_forward_hook(leave)
-    caching.__torch_dispatch__ = watched
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(batch[:, :-1], batch[:, 1:])
-    finally:
-        caching.__torch_dispatch__ = original
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 @pytest.mark.parametrize("granularity", [False, True, 2, 3, "selective"])
 def test_activation_bytes_per_granularity_are_what_backward_keeps(architecture: str, granularity):
@@ -316,7 +267,7 @@ def test_activation_bytes_per_granularity_are_what_backward_keeps(architecture: 
     model = Transformer(cfg)
     apply_activation_checkpointing(model, granularity)
     batch = torch.randint(0, cfg.vocab_size, (2, 129), generator=torch.Generator().manual_seed(0))
-    measured = _saved_by_blocks(model, batch) / (2 * 128)
+    measured = saved_by_blocks(model, batch) / (2 * 128)
     kept, _ = block_activation_bytes_per_token(cfg, 4, False, granularity)
     assert measured == pytest.approx(kept, rel=0.10), (measured, kept)
 
