@@ -281,6 +281,11 @@ class RunConfig:
     def tokens_per_micro_batch(self) -> int:
         return self.train.micro_batch_size * self.seq_len
 
+    def sequences_per_rank(self, world_size: int = 1) -> float:
+        """Sequences of seq_len each rank trains in one optimizer step (the global batch over seq_len x world
+        size): a micro-batch smaller than this accumulates, and its gradients live through the later forwards."""
+        return self.train.global_batch_tokens / (self.seq_len * world_size)
+
     def grad_accum_steps(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step: global batch / (micro batch x seq_len x world size), exactly."""
         if world_size < 1:  # a launcher count of 0 or less; dividing by it would be a ZeroDivisionError or worse

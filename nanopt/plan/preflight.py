@@ -105,7 +105,7 @@ def _micro_batch(run: RunConfig, opts: PreflightOptions,
     from nanopt.runtime import ranks
 
     # No size above the sequences each rank takes per step can divide the global batch: none is worth a trial.
-    per_rank = run.train.global_batch_tokens // (run.seq_len * ranks().world_size)
+    per_rank = int(run.sequences_per_rank(ranks().world_size))
     search = FindBatchOptions(maximum=max(1, min(DEFAULT_MAX, per_rank)), max_memory=opts.max_memory)
     started = time.time()
     report = find_batch(run, search, on_trial=on_trial)

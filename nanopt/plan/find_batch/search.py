@@ -194,16 +194,11 @@ def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConf
     one micro-batch a step would pass sizes that run out of memory in training. Two show that peak; more would
     only repeat it. Under sequence-length stages the trial runs the longest stage's shape (the same tokens a
     micro-batch, the largest attention): the size that fits there fits the whole run."""
-    accumulation = 2 if trial_accumulates(run, micro_batch_size, world_size) else 1
+    accumulation = 2 if micro_batch_size < run.sequences_per_rank(world_size) else 1
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
                                 global_batch_tokens=micro_batch_size * run.seq_len * world_size * accumulation,
                                 batch_warmup_tokens=None, batch_warmup_start_tokens=None)  # same micro-batch
     return longest_stage_run(dataclasses.replace(run, train=train))
-
-
-def trial_accumulates(run: RunConfig, micro_batch_size: int, world_size: int) -> bool:
-    """Whether the run's (full) global batch takes more than one micro-batch a step at this size."""
-    return micro_batch_size * run.seq_len * world_size < run.train.global_batch_tokens
 
 
 # ----------------------------------------------------------------------------------------------- judging
