@@ -24,28 +24,28 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
     it would keep one of the `keep` real checkpoints from being kept)."""
     root = checkpoints_dir(run_dir)
     protected = {read_pointer(root, "best"), read_pointer(root, "latest")}
-    complete = [p for p in complete_checkpoints(run_dir) if _named_after_its_step(p)]
-    doomed = [p for p in complete[:-max(1, keep)]
-              if p.name not in protected and not _imported(p) and not is_held(run_dir, p.name)]
+    metas = {path: _meta(path) for path in complete_checkpoints(run_dir)}  # each meta.json read once
+    complete = [path for path, meta in metas.items() if _named_after_its_step(path, meta)]
+    # The imported model (nanopt import's step 0): re-downloading may not give it back (a revision gone, no
+    # network), and a continued run is judged against it.
+    doomed = [path for path in complete[:-max(1, keep)] if path.name not in protected
+              and not metas[path].get("imported_from") and not is_held(run_dir, path.name)]
     # Looked for again once each is renamed: a hold taken meanwhile gives it back (see hold's race note).
     return [path for path in doomed if remove_step_dir(path, spare=lambda name=path.name: is_held(run_dir, name))]
 
 
-def _imported(path: Path) -> bool:
-    """Whether `path` is the checkpoint `nanopt import` wrote: re-downloading it may not give it back (a revision
-    gone, no network), and a continued run is judged against it."""
+def _meta(path: Path) -> dict:
+    """The checkpoint's meta.json, or {} when it cannot be read or is not a JSON object."""
     try:
-        return bool(read_meta(path / "meta.json").get("imported_from"))
-    except (NanoptError, AttributeError):
-        return False
+        meta = read_meta(path / "meta.json")
+    except NanoptError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
-def _named_after_its_step(path: Path) -> bool:
+def _named_after_its_step(path: Path, meta: dict) -> bool:
     """Whether `path` is named step_dir_name(the step its meta.json records); unreadable or foreign: False."""
-    try:
-        step = read_meta(path / "meta.json").get("step")
-    except (NanoptError, AttributeError):  # AttributeError: JSON that is not an object
-        return False
+    step = meta.get("step")
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and path.name == step_dir_name(step)
 
 
