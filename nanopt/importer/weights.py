@@ -27,10 +27,10 @@ from nanopt.files import open_file
 from nanopt.model.hf_names import HFTensor, hf_tensors
 from nanopt.model.layout import few, tensor_specs
 from nanopt.parsing import open_regular
-from nanopt.safetensors_header import read_header
+from nanopt.safetensors_header import DTYPES, read_header
 
 # The dtypes a weight may come in (the header's reader admits integer buffers too; plan refuses them as weights).
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPES = {name: getattr(torch, DTYPES[name][0]) for name in ("F32", "F16", "BF16", "F64")}
 # Buffers some checkpoints store that are not weights: GPT-2's causal mask, old Llama's RoPE frequencies.
 _BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)|model\.layers\.\d+\.self_attn\.rotary_emb\."
                       r"inv_freq")
