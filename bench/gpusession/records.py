@@ -186,7 +186,8 @@ HEADLINE_KEYS = ("matmul_tflops", "compiled_step_s", "sdpa", "side", "baseline",
                  "activation_checkpointing", "tokens_per_s",
                  "mfu", "ratio", "ratio_spread", "peak_memory_gib", "predicted_memory_gib", "predicted_error",
                  "predicted_micro_batch", "seconds", "compile_s", "reference", "early_max_abs_diff",
-                 "late_rel_diff", "within_tolerance", "max_abs_diff_after_resume", "passed", "failed",
+                 "late_rel_diff", "within_tolerance", "max_abs_diff_after_resume", "first_step_diff",
+                 "nondeterminism_floor", "passed", "failed",
                  "speedup", "late_mean_loss", "loss_diff", "speed_ratio", "on_off_ratio", "health_share",
                  "idle_share", "cpu_overhead_share", "graphs", "budget_s")
 
