@@ -18,7 +18,7 @@ from nanopt.train.health import (
     replay,
 )
 
-SETTINGS = HealthSettings(vocab_size=1024, total_steps=1000, warmup_steps=20, grad_clip=1.0, log_interval=1)
+SETTINGS = HealthSettings(token_rows=1024, total_steps=1000, warmup_steps=20, grad_clip=1.0, log_interval=1)
 
 
 def feed(monitor: HealthMonitor, steps: range, loss, ratio=lambda step: 1e-3, norm=lambda step: 0.5,
@@ -161,7 +161,7 @@ def test_the_demos_healthy_run_reaches_no_verdict():
     a CPU, replayed: the run the README's healthy figures come from is judged healthy."""
     records = [json.loads(line) for line in DEMO_RECORDS.read_text().splitlines()]
     demo = json.loads((Path(__file__).parents[1] / "runs" / "demo" / "train.json").read_text())
-    settings = HealthSettings(vocab_size=1024, total_steps=demo["max_steps"], warmup_steps=demo["warmup_steps"],
+    settings = HealthSettings(token_rows=1024, total_steps=demo["max_steps"], warmup_steps=demo["warmup_steps"],
                               grad_clip=demo["grad_clip"], log_interval=demo["log_interval"])
     monitor = replay(records, settings)
     assert monitor.summary()["verdicts"] == []

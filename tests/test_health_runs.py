@@ -81,8 +81,22 @@ def test_a_mis_scaled_initialisation_is_said_at_step_1(tmp_path: Path, tiny_data
     result = train(cli_in_process, run)
     assert [r["step"] for r in records(run, "train")] == [3]
     assert verdicts(run) == [("initial_loss", 1)]
-    assert "far above ln(vocab_size) = 6.238" in result.stderr
+    assert "far above ln(512 token ids) = 6.238" in result.stderr
     assert "initializer_range" in result.stderr
+
+
+def test_a_vocabulary_padded_past_the_data_is_judged_on_the_rows_the_softmax_covers(tmp_path: Path,
+                                                                                      tiny_dataset: Path,
+                                                                                      cli_in_process):
+    # The second GPU window: GPT-2 small (vocab 50,304) on the built-in 1,024-token data started at 7.08 = ln(1,024)
+    # as it should, and was told it was far below ln(50,304) = 10.83. The padded rows are out of the softmax.
+    run = make_run(tmp_path, tiny_dataset, model={"vocab_size": 8192}, **{**SHORT, "max_steps": 3})
+    result = train(cli_in_process, run)
+    assert records(run, "train")[0]["loss"] == pytest.approx(math.log(512), abs=0.5)
+    assert verdicts(run) == [] and "health:" not in result.stderr
+    replayed = cli_in_process("eval", run, "--health", "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["verdicts"] == []
 
 
 def test_health_off_records_no_signal(tmp_path: Path, tiny_dataset: Path, cli_in_process):

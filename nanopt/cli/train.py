@@ -67,7 +67,7 @@ started, after on_exit_timeout_s (300 s). It never changes the run's exit status
 
 Health (train.json health, on by default): at each log step the run records per-block gradient norms, the
 update-to-parameter norm ratio per optimizer group, the share of steps clipped and the loss's trend, and says once
-each verdict: initial_loss (the first loss far from ln(vocab_size)), plateau, stagnating_updates,
+each verdict: initial_loss (the first loss far from ln of the token ids' count), plateau, stagnating_updates,
 exploding_gradients, with the settings that usually fix it. --on-event runs a command on each, in the background,
 with NANOPT_EVENT, NANOPT_EVENT_STEP, NANOPT_EVENT_MESSAGE and NANOPT_RUN_DIR, its output in RUN/on_event.log,
 stopped after on_exit_timeout_s. `nanopt eval RUN --health` shows them for any run, running or finished.

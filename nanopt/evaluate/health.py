@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import RunConfig, load_run
+from nanopt.data.mixture import open_run_data
+from nanopt.errors import NanoptError
 from nanopt.rundir import RunDir
 from nanopt.train.health import STAGNANT_RATIO, HealthSettings, replay
 from nanopt.train.metrics import read_metrics, save_chart
@@ -18,7 +20,16 @@ from nanopt.train.metrics import read_metrics, save_chart
 def run_health(run: RunConfig, records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The health section: verdicts (recorded, and reached by the train records) and the latest signals."""
     records = read_metrics(run.run_dir) if records is None else records
-    return replay(records, HealthSettings.from_run(run)).summary()
+    return replay(records, HealthSettings.from_run(run, token_rows=_data_id_limit(run))).summary()
+
+
+def _data_id_limit(run: RunConfig) -> int | None:
+    """The token ids the run's data holds, which training built the model's softmax over (None when the data is
+    gone: the first loss is then judged against every row of the vocabulary)."""
+    try:
+        return open_run_data(run, verify_up_to_bytes=0).id_limit
+    except NanoptError:
+        return None
 
 
 def health_report(run_dir: Path, chart: bool = True) -> dict[str, Any]:

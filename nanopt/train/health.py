@@ -6,7 +6,8 @@ verdicts it newly reaches; `nanopt eval --health` replays a run's metrics.jsonl 
 signals are and how they are measured on the device: nanopt.train.health_probe.
 
 Verdicts, each announced once per run (a resumed run reads the `health` events it already wrote):
-- initial_loss: the first step's loss is far from ln(vocab_size), where a model initialised as configured starts.
+- initial_loss: the first step's loss is far from ln(token rows), where a model initialised as configured starts
+  (the rows of a vocabulary padded past the tokenizer's ids are out of the softmax: ln(vocab_size) would be wrong).
 - plateau: the mean loss of the last window (a quarter of the run, 10 to 1000 steps, and 10 log intervals at the
   least) is not below the window before's by more than its noise (one standard error), for half a window.
 - stagnating_updates: the update-to-parameter norm ratio of the weight matrices is far below the usual ~1e-3
@@ -43,16 +44,18 @@ MATRIX_GROUPS = ("decay", "muon")
 class HealthSettings:
     """What the judgements depend on, from the run's config."""
 
-    vocab_size: int
+    token_rows: int  # the vocabulary rows the softmax covers: a padded model's rows past the data's ids are not
     total_steps: int
     warmup_steps: int
     grad_clip: float
     log_interval: int = 1
 
     @classmethod
-    def from_run(cls, run: Any) -> HealthSettings:
+    def from_run(cls, run: Any, token_rows: int | None = None) -> HealthSettings:
+        """token_rows: the dataset's id limit the model was built with (None: all of model.json's vocab_size)."""
         t = run.train
-        return cls(run.model.vocab_size, run.total_steps, t.warmup_steps, t.grad_clip, t.log_interval)
+        rows = run.model.vocab_size if token_rows is None else min(token_rows, run.model.vocab_size)
+        return cls(rows, run.total_steps, t.warmup_steps, t.grad_clip, t.log_interval)
 
     @property
     def window_steps(self) -> int:
@@ -78,15 +81,15 @@ class Verdict:
         return f"step {self.step}: health: {self.message}; {self.advice}"
 
 
-def initial_loss_verdict(loss: float, vocab_size: int, step: int = 1) -> Verdict | None:
-    """A first loss far from ln(vocab_size): the uniform prediction a model initialised as configured starts near."""
-    expected = math.log(vocab_size)
+def initial_loss_verdict(loss: float, token_rows: int, step: int = 1) -> Verdict | None:
+    """A first loss far from ln(token_rows): the uniform prediction a model initialised as configured starts near."""
+    expected = math.log(token_rows)
     if math.isfinite(loss) and abs(loss - expected) <= max(1.0, INITIAL_LOSS_TOLERANCE * expected):
         return None
     side = "above" if not math.isfinite(loss) or loss > expected else "below"
     return Verdict("initial_loss", step,
-                   f"the first loss {loss:.3f} is far {side} ln(vocab_size) = {expected:.3f}, where a model "
-                   "initialised as configured starts",
+                   f"the first loss {loss:.3f} is far {side} ln({token_rows:,} token ids) = {expected:.3f}, where a "
+                   "model initialised as configured starts",
                    "likely causes: the initialisation (model.json initializer_range, 0.02 is usual), a tokenizer "
                    "whose vocabulary does not match vocab_size, or the data (token ids, repeated or empty documents)")
 
@@ -134,7 +137,7 @@ class HealthMonitor:
         if self.settings.grad_clip > 0 and grad_norm > self.settings.grad_clip:
             self.steps_clipped += 1
         if step == 1:
-            return self._new([initial_loss_verdict(loss, self.settings.vocab_size, step)])
+            return self._new([initial_loss_verdict(loss, self.settings.token_rows, step)])
         return []
 
     def recall(self, records: list[dict[str, Any]]) -> None:
@@ -166,7 +169,7 @@ class HealthMonitor:
                              record.get("update_ratio") or {}, record.get("lr")))
         trend = loss_trend(self._window_losses(step))
         record["loss_trend"] = None if trend is None else trend[0]
-        first = [initial_loss_verdict(record["loss"], self.settings.vocab_size)] if step == 1 else []
+        first = [initial_loss_verdict(record["loss"], self.settings.token_rows)] if step == 1 else []
         if step < self.settings.judging_from:
             self._track_ratios(step, judge=False)
             return self._new(first)

@@ -22,7 +22,7 @@ def start_health(s: Session) -> None:
     if not s.run.train.health:
         return
     s.health_probe = HealthProbe(s.prepared.raw, s.optimizer, s.rt)
-    s.health = HealthMonitor(HealthSettings.from_run(s.run))
+    s.health = HealthMonitor(HealthSettings.from_run(s.run, token_rows=s.dataset.id_limit))  # as the model
     if s.rt.is_main:
         s.health.recall(read_metrics(s.run.run_dir))
 
