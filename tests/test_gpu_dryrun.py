@@ -34,7 +34,7 @@ from gpusession.plan import (  # noqa: E402
     step_named,
 )
 from gpusession.session import resolve_out  # noqa: E402
-from gpusession.training import compare_curves  # noqa: E402
+from gpusession.training import compare_curves, resume_figures  # noqa: E402
 
 SCRIPT = REPO / "bench" / "gpu_session.py"
 H100_BYTES, H200_BYTES = 81559 << 20, 143771 << 20  # what nvidia-smi reports on each card
@@ -310,7 +310,7 @@ def test_the_commit_comes_from_bench_commit_and_unknown_is_said_loudly(tmp_path:
     (tree / ".git").mkdir()
     (tree / ".git" / "HEAD").write_text("0123456789abcdef0123456789abcdef01234567\n")  # a tree that moved on
     commit, source = records.read_commit(None)
-    assert commit == "c0ffee1" and "stale" in source and "0123456" in source
+    assert commit == "c0ffee1" and "WARNING" in source and "0123456" in source
     (tree / "bench" / "COMMIT").write_text("$(git rev-parse --short HEAD)\n")  # never a shell's leftovers
     assert records.read_commit(None) == ("0123456", "git")
 
@@ -342,3 +342,17 @@ def test_loss_curves_outside_the_tolerance_are_flagged():
     early_jump = {step: loss + (0.2 if step == 3 else 0.0) for step, loss in fp32.items()}
     assert compare_curves(early_jump, fp32)["within_tolerance"] is False
 
+
+
+def test_resume_figures_tell_a_faulty_restore_from_gpu_run_to_run_drift():
+    # The second GPU window: two identical runs drift apart (atomic adds in the backward), so the resumed curve
+    # cannot be judged against the uninterrupted one alone. Its first step, against the killed run's own loss at
+    # that step (same weights, optimizer state and batch), is what says the restore was exact.
+    reference = {1: 7.0, 2: 6.5, 3: 6.2, 4: 6.0, 5: 5.9, 6: 5.8}
+    killed = {1: 7.0, 2: 6.5, 3: 6.201, 4: 6.004}  # drifting from the reference before any resume
+    drifting = resume_figures({3: 6.201, 4: 6.0041, 5: 5.91, 6: 5.81}, reference, killed, resumed_from=2)
+    assert drifting["first_step_diff"] == 0.0 and drifting["max_abs_diff_replayed"] < 1e-3
+    assert abs(drifting["nondeterminism_floor"] - 0.004) < 1e-9
+    assert abs(drifting["max_abs_diff_after_resume"] - 0.01) < 1e-9
+    faulty = resume_figures({3: 6.3, 4: 6.1, 5: 5.95, 6: 5.85}, reference, killed, resumed_from=2)
+    assert abs(faulty["first_step_diff"] - 0.099) < 1e-9  # e.g. the wrong batch, or an optimizer state lost

@@ -193,6 +193,7 @@ def test_memory_find_batch_bf16_profile_tests_and_resume_report_their_measuremen
     [resumed] = by["resume:gpt2-small"]
     assert resumed["status"] == "ok" and 0 < resumed["resumed_from"] < resumed["killed_after_step"] < resumed["steps"]
     assert resumed["max_abs_diff_after_resume"] == 0.0 and resumed["tolerance"] == 1e-3
+    assert resumed["first_step_diff"] == 0.0 and resumed["nondeterminism_floor"] == 0.0  # the CPU is deterministic
     [preflight] = by["preflight"]
     assert preflight["compiled_ok"] is True and preflight["matmul_tflops"] > 0 and preflight["problems"] is None
     assert any("scaled_dot_product" in name for name in preflight["sdpa"]["gpt2-small"]), preflight["sdpa"]

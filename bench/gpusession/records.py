@@ -123,7 +123,10 @@ def read_commit(given: str | None) -> tuple[str, str]:
     if shipped:
         sha = shipped.split("-")[0]
         if git and not (sha.startswith(git) or git.startswith(sha)):
-            return shipped, f"bench/COMMIT (WARNING: git says {git}: bench/COMMIT is stale, rewrite it)"
+            # Either may be the stale one: a copied tree's .git can lag the commit that bench/COMMIT names (the
+            # second window's did), or bench/COMMIT was written before the last commit.
+            return shipped, (f"bench/COMMIT (WARNING: git here says {git}; if bench/COMMIT was written before the "
+                             "last commit, its records name the wrong one)")
         return shipped, "bench/COMMIT"
     if git:
         return git, "git"
