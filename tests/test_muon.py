@@ -209,6 +209,36 @@ def test_a_torch_without_muon_is_one_clear_error(tmp_path: Path, tiny_dataset: P
     assert raised.value.hint
 
 
+@pytest.mark.parametrize("batch_elements", [1 << 26, 1])  # every matrix of a shape at once; one at a time
+def test_the_step_batched_by_shape_is_torchs_step(tmp_path: Path, tiny_dataset: Path, monkeypatch,
+                                                  batch_elements: int):
+    # nanopt steps whole Muon matrices in batches of one shape (nanopt.train.muon_step), a tenth of torch's kernel
+    # launches. It must be torch's step: the same weights and momentum after every step, wide and tall matrices
+    # (Llama's gate and down projections), whatever the batches.
+    from nanopt.train import muon_step
+
+    monkeypatch.setattr(muon_step, "BATCH_ELEMENTS", batch_elements)
+    run = load_run(tiny_run(tmp_path, tiny_dataset, "run", **MUON))
+    ours_model = Transformer(run.model)
+    torchs_model = copy.deepcopy(ours_model)
+    ours = build_optimizer(ours_model, run.train, torch.device("cpu"))
+    torchs = build_optimizer(torchs_model, run.train, torch.device("cpu"))
+    assert ours.batched
+    torchs.batched = False  # torch.optim.Muon's own step
+    shapes = {tuple(p.shape) for group in ours.muon.param_groups for p in group["params"]}
+    assert any(rows > cols for rows, cols in shapes) and any(rows < cols for rows, cols in shapes)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(ours_model.parameters(), torchs_model.parameters(), strict=True):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        ours.step()
+        torchs.step()
+        for (name, a), b in zip(ours_model.named_parameters(), torchs_model.parameters(), strict=True):
+            assert torch.equal(a, b), name
+    assert str(ours.state_dict()) == str(torchs.state_dict())  # the same momentum buffers, the same layout
+
+
 def test_a_torch_whose_newton_schulz_nanopt_cannot_call_is_refused_before_training(monkeypatch):
     # FSDP's Muon calls torch's private Newton-Schulz function with the group's settings of the same names; a torch
     # whose function wants a setting Muon does not have is one clear error when the optimizer is built.

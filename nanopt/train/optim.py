@@ -3,7 +3,8 @@
 adamw   AdamW on everything, weight decay on matrices and embeddings only.
 muon    Muon (torch.optim.Muon: momentum, then Newton-Schulz orthogonalization of each update) on the hidden 2-D
         matrices (the attention and MLP projections of every block), AdamW on the embeddings, the output head,
-        norms and biases, which Muon is not meant for. One MuonWithAdamW object steps both.
+        norms and biases, which Muon is not meant for. One MuonWithAdamW object steps both. Whole matrices (one
+        process, DDP) are stepped by nanopt.train.muon_step, torch's step batched by shape: a tenth of the launches.
 
 Under FSDP2 each Muon matrix is a DTensor of which a rank holds some rows, and Muon must orthogonalize the whole
 matrix: `sharded_muon_step` keeps momentum and weight updates on the local rows and gives each rank its share of
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanopt.config import TrainConfig
 from nanopt.errors import ConfigError
+from nanopt.train.muon_step import batched_muon_step, batched_step_supported
 
 MUON_MOMENTUM = 0.95
 
@@ -77,6 +79,8 @@ class MuonWithAdamW:
         self.muon = muon
         self.muon_lr_scale = muon_lr_scale  # muon_learning_rate / learning_rate: fixed by the config, never saved
         self.sharded = sharded  # the Muon matrices are FSDP2 shards: stepped by sharded_muon_step
+        # Whole matrices: torch's step, batched by shape (nanopt.train.muon_step), where this torch allows it.
+        self.batched = not sharded and batched_step_supported(muon)
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -90,6 +94,8 @@ class MuonWithAdamW:
         self.adamw.step()
         if self.sharded:
             sharded_muon_step(self.muon)
+        elif self.batched:
+            batched_muon_step(self.muon)
         else:
             self.muon.step()
 
