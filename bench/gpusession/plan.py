@@ -90,9 +90,9 @@ PLANS = {
                "gpu-tests"),
     # The third window's (bench/RESULTS.md, "Queue"), most important first: the 1B's profile (the 55% target has no
     # explanation yet), GPT-2 at 32 since the loader's planning moved before the sync and its profile (the 50%
-    # target), the memory model's independent test, find-batch, then the GPU tests, whole this time.
-    "next": ("preflight", "data", "profile-llama", "throughput-gpt2", "memory", "profile", "find-batch",
-             "gpu-tests"),
+    # target), the memory model's independent test, Muon with its step batched by shape (0.73x AdamW before), then
+    # the GPU tests, whole this time.
+    "next": ("preflight", "data", "profile-llama", "throughput-gpt2", "memory", "profile", "muon", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call
