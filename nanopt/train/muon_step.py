@@ -60,7 +60,10 @@ def _group_step(group: dict[str, Any], params: list[torch.Tensor], grads: list[t
     for batch in _batches(params):
         orthogonalized = orthogonalize(torch.stack([updates[i].bfloat16() for i in batch]), group)
         step = adjust_lr(lr, group["adjust_lr_fn"], params[batch[0]].shape)
-        torch._foreach_add_([params[i] for i in batch], list(orthogonalized.unbind(0)), alpha=-step)
+        # In the weights' dtype: foreach's one-launch path wants one dtype, and bf16 -> fp32 is exact, so the sum is
+        # the one torch's `param.add_(bf16 update)` forms.
+        torch._foreach_add_([params[i] for i in batch], list(orthogonalized.to(params[batch[0]].dtype).unbind(0)),
+                            alpha=-step)
 
 
 def _batches(params: list[torch.Tensor]) -> list[list[int]]:
