@@ -93,6 +93,25 @@ def test_the_cost_warning_spreads_the_tasks_time_over_their_interval():
     assert typical_eval_seconds(session(10, 1.0)) == pytest.approx(2.0)  # not scored now: 1 s + 4 s / 4
 
 
+def test_the_eta_charges_the_tasks_to_the_scorings_left_not_to_every_evaluation():
+    """Evaluation every 2 steps (1 s of loss), tasks every 8 (4 s), 32 steps: at step 10 the evaluations at 12, 14,
+    ..., 32 are left (11), and the scorings at 16, 24 and 32 (3). The latest evaluation's 5 s (step 8, with tasks)
+    charged to all 11 would be 55 s; its 1 s (step 10 already evaluated, without) would forget the tasks."""
+    from types import SimpleNamespace
+
+    from nanopt.train.downstream import tasks_seconds_left
+
+    def session(step: int, val_step: int, eval_s: float) -> SimpleNamespace:
+        train = SimpleNamespace(eval_interval=2, downstream_interval=8)
+        return SimpleNamespace(run=SimpleNamespace(train=train), state=SimpleNamespace(step=step, val_step=val_step),
+                               total_steps=32, clock=SimpleNamespace(last={"eval": eval_s}), downstream_last=(8, 4.0))
+
+    assert tasks_seconds_left(session(10, 8, 5.0)) == pytest.approx((1.0, 12.0))  # the log line before step 10's
+    assert tasks_seconds_left(session(11, 10, 1.0)) == pytest.approx((1.0, 12.0))
+    no_tasks = SimpleNamespace(**{**vars(session(10, 8, 5.0)), "downstream_last": None})
+    assert tasks_seconds_left(no_tasks) == (5.0, 0.0)
+
+
 def test_the_gpt2_presets_tasks_without_the_hub_are_turned_off_and_training_goes_on(tmp_path: Path,
                                                                                      tiny_dataset: Path,
                                                                                      launcher: Launcher):

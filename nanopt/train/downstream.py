@@ -17,6 +17,7 @@ import torch
 
 from nanopt.runtime import Runtime
 from nanopt.train.metrics import read_metrics
+from nanopt.train.phases import occasions
 from nanopt.train.task_curves import TASK_PREFIX
 
 
@@ -60,6 +61,20 @@ def typical_eval_seconds(s: Any) -> float:
     scored_at, tasks_s = s.downstream_last
     share = s.run.train.eval_interval / max(downstream_interval(s.run.train), 1)
     return eval_s - tasks_s + share * tasks_s if scored_at == s.state.step else eval_s + share * tasks_s
+
+
+def tasks_seconds_left(s: Any) -> tuple[float, float]:
+    """For the live ETA: (the latest evaluation's seconds without its downstream tasks, the tasks' seconds for the
+    scorings left in the run). The tasks run every downstream_interval steps, not at every evaluation: the latest
+    evaluation's duration alone would charge them to every evaluation left, or to none."""
+    eval_s = s.clock.last["eval"] or 0.0
+    if s.downstream_last is None:
+        return eval_s, 0.0
+    scored_at, tasks_s = s.downstream_last
+    loss_eval_s = eval_s - tasks_s if scored_at == s.state.val_step else eval_s
+    interval = downstream_interval(s.run.train)
+    left = occasions(interval, s.state.step, s.total_steps) if interval and s.run.train.eval_interval else 0
+    return max(loss_eval_s, 0.0), left * tasks_s
 
 
 def downstream_advice(s: Any) -> str:

@@ -20,7 +20,13 @@ from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import health_watch, phases
-from nanopt.train.downstream import downstream_advice, run_downstream, score_downstream, typical_eval_seconds
+from nanopt.train.downstream import (
+    downstream_advice,
+    run_downstream,
+    score_downstream,
+    tasks_seconds_left,
+    typical_eval_seconds,
+)
 from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
@@ -275,7 +281,9 @@ def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
     """The live bill: the run's wall time and cost so far (every session), and the time and cost to finish: the
     steps, evaluations and checkpoints left at their latest durations, plus the session's share of other time so
     far (log lines, the loss chart, waiting)."""
-    left = phases.projected_seconds(s.run, s.state.step, step_s, s.clock.last["eval"], s.clock.last["checkpoint"])
+    loss_eval_s, tasks_s = tasks_seconds_left(s)
+    left = phases.projected_seconds(s.run, s.state.step, step_s, loss_eval_s, s.clock.last["checkpoint"])
+    left["eval"] += tasks_s
     totals = s.clock.totals(s.clock.wall())
     worked = totals["train"] + totals["eval"] + totals["checkpoint"]
     eta = sum(left.values()) * (1 + totals[phases.OTHER] / worked if worked > 0 else 1)
