@@ -45,6 +45,7 @@ WANDB_DIR = "wandb"  # W&B names its own folder: this is where it lands when giv
 EXIT_HOOK_LOG = "on_exit.log"
 EVENT_HOOK_LOG = "on_event.log"
 HEALTH_CHART_FILE = "health.png"
+STALLS_DIR = "stalls"  # rank-R.txt: every thread's stack when that rank stopped making progress (nanopt.train.stall)
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"
@@ -142,6 +143,13 @@ class RunDir:
         return self.root / HEALTH_CHART_FILE
 
     @property
+    def stalls(self) -> Path:
+        return self.root / STALLS_DIR
+
+    def stall_stacks(self, rank: int) -> Path:
+        return self.stalls / f"rank-{rank}.txt"
+
+    @property
     def profile_dir(self) -> Path:
         return self.root / PROFILE_DIR
 
@@ -169,7 +177,8 @@ class RunDir:
     def written_dirs(self) -> list[Path]:
         """Every directory nanopt makes, writes into or deletes from in the run (checkpoints/ also holds the
         directories is_checkpoint_entry names, found by listing it)."""
-        return [self.checkpoints, self.previous, self.profile_dir, self.tensorboard, self.wandb, self.holds]
+        return [self.checkpoints, self.previous, self.profile_dir, self.tensorboard, self.wandb, self.holds,
+                self.stalls]
 
     def training_outputs(self) -> list[Path]:
         """What training writes (and a fresh start moves aside), where it exists. TensorBoard's event files go too:

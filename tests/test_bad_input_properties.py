@@ -155,6 +155,7 @@ raw_json_values = st.one_of(st.sampled_from(EXTREMES + WRONG_TYPES), json_values
 ZERO_OK_KEYS = {"warmup_steps", "eval_interval", "checkpoint_interval", "seed", "grad_clip", "weight_decay", "dropout",
                 "min_lr_ratio", "beta1", "beta2", "price_per_hour", "recovery_skip_steps", "recovery_lr_steps",
                 "downstream_interval",  # 0: no downstream tasks in the loop
+                "stall_timeout_s",  # 0: no stall watch
                 "eos_token_id"}  # a token id: 0 is a vocabulary's first token
 
 

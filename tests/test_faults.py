@@ -415,6 +415,38 @@ def test_a_hung_rank_times_out_at_the_next_collective(tmp_path: Path, reference_
         ckpt.verify(path)
 
 
+@pytest.mark.slow  # two ranks, one stopped for the stall timeout
+def test_a_stalled_run_says_where_each_rank_waits_and_when_progress_resumes(tmp_path: Path,
+                                                                           reference_2ranks: Path,
+                                                                           launcher: Launcher):
+    # A stopped rank 1 leaves rank 0 waiting in the step's all-reduce, well inside the process group's timeout: a
+    # hung run that looks alive. After stall_timeout_s without progress, rank 0 writes every thread's stack,
+    # records the stall and says so; when rank 1 goes on, so does the run, and that is recorded too.
+    run = copy_run(reference_2ranks, tmp_path)
+    job = start_2ranks(launcher, run, "--set", "stall_timeout_s=3")
+    workers = {rank_of(w): w for w in workers_of(job)}
+    wait_for_step(run, 5, lambda: not launcher.finished(job))
+    stacks = run / "stalls" / "rank-0.txt"
+    workers[1].suspend()
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not stacks.exists() and time.monotonic() < deadline and not launcher.finished(job):
+            time.sleep(0.05)
+    finally:
+        workers[1].resume()
+    result = finish(launcher, job)
+    assert result.status == 0, result.stderr[-3000:]
+    text = stacks.read_text()
+    assert text.startswith("nanopt train: rank 0 of 2: no progress for") and "all_reduce" in text, text[:3000]
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    stalls = [e for e in events if e.get("event") == "stall"]
+    assert len(stalls) == 1 and stalls[0]["step"] >= 5 and stalls[0]["idle_s"] >= 3, stalls
+    assert stalls[0]["phase"] == "training" and stalls[0]["stacks"] == str(stacks)
+    assert [e["step"] for e in events if e.get("event") == "stall_over"] == [stalls[0]["step"]]
+    assert re.search(r"health: stall: no progress for \d+ s in training \(stall_timeout_s 3\)", result.stderr)
+    assert max(losses(run)) == 20
+
+
 # ------------------------------------------------------------------------------------------ 8. safe loading
 
 PACKAGE = REPO / "nanopt"

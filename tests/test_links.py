@@ -96,6 +96,7 @@ TRAIN_CASES = [
     ("loss.png.tmp", CONTINUE),
     ("checkpoints", CONTINUE),  # checkpoints written elsewhere, the user's .tmp-* there deleted, retention there
     ("checkpoints/step-000002", CONTINUE),
+    ("stalls", CONTINUE),  # the stall watch writes each rank's stacks there
     ("previous", ("--resume", "none")),
     ("metrics.jsonl", ("--resume", "none")),
 ]

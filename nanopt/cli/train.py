@@ -71,6 +71,8 @@ each verdict: initial_loss (the first loss far from ln of the token ids' count),
 exploding_gradients, with the settings that usually fix it. --on-event runs a command on each, in the background,
 with NANOPT_EVENT, NANOPT_EVENT_STEP, NANOPT_EVENT_MESSAGE and NANOPT_RUN_DIR, its output in RUN/on_event.log,
 stopped after on_exit_timeout_s. `nanopt eval RUN --health` shows them for any run, running or finished.
+No progress for stall_timeout_s (1800 s) after the first step: every rank writes its threads' stacks to
+RUN/stalls/rank-R.txt, and rank 0 says so and runs --on-event with NANOPT_EVENT=stall; the run goes on waiting.
 
 --nnodes N: run the same command on every node, each with its own --node-rank and the same --rdzv-endpoint (the
 first node's HOST:PORT). The run directory and its dataset must be on a filesystem every node sees (rank 0 writes
@@ -112,7 +114,8 @@ def train_command(
                                        "for any reason, with NANOPT_EXIT_REASON set (train.json on_exit); e.g. "
                                        "\"sudo shutdown -h now\"."),
     on_event: str | None = typer.Option(None, "--on-event", help="Shell command rank 0 runs, in the background, "
-                                        "on each health verdict, with NANOPT_EVENT set to its name; e.g. "
+                                        "on each health verdict and on a stall, with NANOPT_EVENT set to its "
+                                        "name; e.g. "
                                         "'curl -d \"$NANOPT_EVENT\" https://ntfy.sh/mytopic'."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""

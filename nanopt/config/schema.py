@@ -102,6 +102,7 @@ class TrainConfig:
     price_per_hour: float | None = None  # USD per GPU-hour for live cost; default: the GPU table's price, if known
     on_exit: str | None = None  # a shell command rank 0 runs once when the run ends, for any reason
     on_exit_timeout_s: float = 300.0  # the on_exit command is stopped after this many seconds
+    stall_timeout_s: float = 1800.0  # no progress for this long after the first step: reported (nanopt.train.stall)
     tensorboard: bool = False  # also log every metrics.jsonl record to runs/NAME/tensorboard/ (nanopt.train.sinks)
     wandb_project: str | None = None  # a W&B project name turns Weights & Biases logging on
     wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
@@ -167,6 +168,7 @@ class TrainConfig:
             _check_dataset_path(item.path, source, look_up_data)
         check_range(self, source, "price_per_hour", 0, MAX_PRICE_PER_HOUR, "USD per GPU-hour, e.g. 2.99")
         check_range(self, source, "on_exit_timeout_s", 1, 86_400, "seconds, e.g. 300")
+        check_range(self, source, "stall_timeout_s", 0, 7 * 86_400, "seconds, e.g. 1800 (0: no stall watch)")
         if self.on_exit is not None and not self.on_exit.strip():
             raise ConfigError(f"{source}: key 'on_exit': the command is empty",
                               "give a shell command such as \"sudo shutdown -h now\", or remove the key")

@@ -38,6 +38,7 @@ from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
 from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
+from nanopt.train.stall import StallWatch, start_stall_watch
 from nanopt.train.step import step
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
@@ -167,22 +168,25 @@ def loop(s: Session) -> dict[str, Any]:
     s.clock.end_setup()
     # torch.compile compiles in the first step: that step's time is setup, not training.
     first_phase = "setup" if s.prepared.compiled else "train"
-    warmed_up = False
+    warmed_up, watch = False, None
     try:
         while s.state.step < s.total_steps:
             with s.clock.phase(first_phase):
                 loss, norm, stop = step(s)
             if not warmed_up:
                 _freeze_heap()
-                warmed_up = True
+                warmed_up, watch = True, start_stall_watch(s)  # after the first step, which may compile for long
+            _beat(watch, s, "training")
             first_phase = "train"
             if recover_if_needed(s, loss):  # rolled back to a checkpoint: nothing of this step is kept
                 window = _Window(time.perf_counter(), s.state.tokens)  # tokens/s from the checkpoint's count
                 continue
             window = maybe_log(s, loss, norm, window)
             paused = time.perf_counter()
+            _beat(watch, s, "evaluation or checkpoint")
             _eval_keeping_the_checkpoint(s)
             maybe_checkpoint(s, force=stop)
+            _beat(watch, s, "training")
             window.time += time.perf_counter() - paused  # tokens/s measures training steps only
             if stage_begins(s) and s.prepared.compiled:  # its new shape compiles in its first step: setup time
                 first_phase = "setup"
@@ -201,6 +205,9 @@ def loop(s: Session) -> dict[str, Any]:
         _record_phases(s, best_effort=True)
         s.metrics.close()  # TensorBoard / W&B finish here: a torchrun rank leaves with os._exit
         raise
+    finally:
+        if watch is not None:
+            watch.stop()
     gc.unfreeze()  # the session's objects may be freed again once the caller lets go of them
     s.observer.stop()
     summary = summarize(s, time.perf_counter() - started, s.state.tokens - tokens_at_start)
@@ -212,6 +219,11 @@ def loop(s: Session) -> dict[str, Any]:
     summary["time"] = {**run_time_so_far(s).to_dict(), "price_per_hour": s.price_per_hour,
                        "price_source": s.price_source, "world_size": s.rt.world_size}
     return summary
+
+
+def _beat(watch: StallWatch | None, s: Session, phase: str) -> None:
+    if watch is not None:
+        watch.beat(s.state.step, phase)
 
 
 def _freeze_heap() -> None:

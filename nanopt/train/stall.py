@@ -1,0 +1,142 @@
+"""The stall watch: a run that makes no progress for train.json's `stall_timeout_s` says so instead of burning
+GPU-hours in silence.
+
+A hung run looks like a running one: the process is alive, the GPU shows memory in use, and nothing reaches the log.
+Collectives that never complete end at the process group's timeout (NANOPT_PG_TIMEOUT_S), but a GPU that stopped
+answering, a read from a stalled network filesystem, or a deadlock do not. Each rank keeps a heartbeat: the loop
+beats after every step, and before and after every evaluation and checkpoint. A daemon thread checks it, and once
+the heartbeat is older than the timeout it reports once per stall:
+
+- every rank writes the Python stacks of all its threads to RUN/stall-rank{R}.txt. This is where the rank waits,
+  and it tells a rank stuck in a collective (a peer is the problem) from the rank that is stuck elsewhere;
+- rank 0 also records a `stall` event in metrics.jsonl (step, phase, seconds without progress), prints a warning,
+  and runs the --on-event command with NANOPT_EVENT=stall, so a notification or a restart can follow.
+
+When the heartbeat moves again, rank 0 records `stall_over`. The watch only reports; it never stops the run, since
+a slow filesystem may recover. It starts after the first step, because that step compiles and may legitimately
+take many minutes. A thread cannot run while another holds the GIL in a call that never returns; the blocking calls
+a training step makes (CUDA synchronisation, collectives, file reads) release it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nanopt.files import make_dir, replace_file
+from nanopt.rundir import RunDir
+
+POLLS_PER_TIMEOUT = 10  # how often the thread looks at the heartbeat, per timeout (at most every 30 s)
+
+
+@dataclass(frozen=True)
+class Stall:
+    step: int
+    phase: str
+    idle_s: float
+
+
+class StallWatch:
+    """A heartbeat and the thread that watches it. `on_stall(stall)` runs once per stall, `on_over(stall, idle_s)`
+    when progress resumes; both in the watch's thread, and an error in either is swallowed (the run must not die of
+    its watchdog)."""
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[Stall], None],
+                 on_over: Callable[[Stall, float], None]) -> None:
+        self.timeout_s = timeout_s
+        self.on_stall, self.on_over = on_stall, on_over
+        self._beat = (time.monotonic(), 0, "train")  # (when, step, phase): replaced whole, never half-written
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, step: int, phase: str = "train") -> None:
+        """Progress: called by the loop's thread; one tuple assignment."""
+        self._beat = (time.monotonic(), step, phase)
+
+    def start(self) -> None:
+        self.beat(*self._beat[1:])
+        self._thread = threading.Thread(target=self._watch, name="nanopt-stall-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        poll = min(30.0, self.timeout_s / POLLS_PER_TIMEOUT)
+        stalled: tuple[Stall, float] | None = None  # the stall reported, and the heartbeat it saw
+        while not self._stop.wait(poll):
+            when, step, phase = self._beat
+            idle = time.monotonic() - when
+            if stalled is None and idle > self.timeout_s:
+                stalled = (Stall(step, phase, idle), when)
+                _quietly(self.on_stall, stalled[0])
+            elif stalled is not None and when != stalled[1]:
+                _quietly(self.on_over, stalled[0], when - stalled[1])
+                stalled = None
+
+
+def _quietly(callback: Callable[..., None], *args: Any) -> None:
+    try:
+        callback(*args)
+    except Exception:  # noqa: BLE001 - a report that fails must not take the run down with it
+        pass
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, the watch's own left out, the way a traceback prints it."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ in a training session
+
+
+def start_stall_watch(session: Any) -> StallWatch | None:
+    """The session's watch (a nanopt.train.session.Session), started; None with stall_timeout_s 0."""
+    timeout = session.run.train.stall_timeout_s
+    if not timeout:
+        return None
+    watch = StallWatch(timeout, lambda stall: _report(session, stall), lambda stall, s: _over(session, stall, s))
+    watch.beat(session.state.step)
+    watch.start()
+    return watch
+
+
+def _report(session: Any, stall: Stall) -> None:
+    rt, paths = session.rt, RunDir(session.run.run_dir)
+    make_dir(paths.stalls)
+    stacks = paths.stall_stacks(rt.rank)
+    replace_file(stacks, f"nanopt train: rank {rt.rank} of {rt.world_size}: no progress for {stall.idle_s:.0f} s at "
+                         f"step {stall.step} (phase {stall.phase}), {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\n"
+                         f"{thread_stacks()}")
+    if not rt.is_main:
+        return
+    session.metrics.write("event", step=stall.step, event="stall", phase=stall.phase, idle_s=round(stall.idle_s),
+                          stacks=str(stacks))
+    where = f"{stacks}" + (f" (the other ranks': {paths.stalls}/rank-R.txt)" if rt.world_size > 1 else "")
+    session.observer.health({
+        "step": stall.step, "verdict": "stall",
+        "message": f"no progress for {stall.idle_s:.0f} s in {stall.phase} (stall_timeout_s "
+                   f"{session.run.train.stall_timeout_s:g}); every thread's stack is in {where}",
+        "advice": "a rank waiting in a collective (all_reduce, barrier) waits for a peer: read the peer's file; a GPU "
+                  "that stopped answering shows in nvidia-smi and the kernel log (Xid). The run is still waiting: "
+                  "stop it (Ctrl-C) and run the same command to resume from the last checkpoint"})
+
+
+def _over(session: Any, stall: Stall, idle_s: float) -> None:
+    if session.rt.is_main:
+        session.metrics.write("event", step=stall.step, event="stall_over", idle_s=round(idle_s))
+        session.observer.note(f"progress again after {idle_s:.0f} s without any, at step {stall.step}")
