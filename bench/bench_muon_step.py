@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -65,33 +66,36 @@ def timed(step: object, steps: int, device: object) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def main() -> None:
-    args = parse_args()
+def measure(shapes: list[str], steps: int, rounds: int, device_name: str | None = None) -> dict[str, Any]:
+    """Both steps on one set of matrices (`shapes`), alternating, best of `rounds` rounds of `steps` steps each."""
     import torch
 
     from nanopt.train.muon_step import batched_muon_step
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    params = matrices(args.shape or list(GPT2_SMALL), device)
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    params = matrices(shapes, device)
     muon = torch.optim.Muon(params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0)
     sides = {"torch": muon.step, "batched": lambda: batched_muon_step(muon)}
     for step in sides.values():
         timed(step, 2, device)  # warm-up: momentum buffers, cuBLAS handles and workspaces
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, step in sides.items():
-            times[name].append(timed(step, args.steps, device))
+            times[name].append(timed(step, steps, device))
     best = {name: min(values) for name, values in times.items()}
     ratios = [t / b for t, b in zip(times["torch"], times["batched"], strict=True)]
-    for name in sides:
-        print(f"{name:8s} step {best[name] * 1e3:8.2f} ms (best of {args.rounds} rounds of {args.steps})")
-    print(json.dumps({"bench": "muon_step", "device": str(device), "torch": torch.__version__,
-                      "matrices": len(params), "shapes": args.shape or list(GPT2_SMALL),
-                      "torch_step_ms": round(best["torch"] * 1e3, 3),
-                      "batched_step_ms": round(best["batched"] * 1e3, 3),
-                      "speedup": round(best["torch"] / best["batched"], 3),
-                      "speedup_rounds": [round(r, 3) for r in ratios],
-                      "median_speedup": round(statistics.median(ratios), 3)}))
+    return {"device": str(device), "torch": torch.__version__, "matrices": len(params), "shapes": shapes,
+            "steps": steps, "rounds": rounds, "torch_step_ms": round(best["torch"] * 1e3, 3),
+            "batched_step_ms": round(best["batched"] * 1e3, 3), "speedup": round(best["torch"] / best["batched"], 3),
+            "speedup_rounds": [round(r, 3) for r in ratios], "median_speedup": round(statistics.median(ratios), 3)}
+
+
+def main() -> None:
+    args = parse_args()
+    result = measure(args.shape or list(GPT2_SMALL), args.steps, args.rounds, args.device)
+    for name in ("torch", "batched"):
+        print(f"{name:8s} step {result[f'{name}_step_ms']:8.2f} ms (best of {args.rounds} rounds of {args.steps})")
+    print(json.dumps({"bench": "muon_step", **result}))
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ COMMIT = "c0ffee1"
 WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", "memory:llama-1b",
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",
              "resume:gpt2-small", "fp8:gpt2-small", "profile:llama-1b", "gpt2-small:micro64", "muon:gpt2-small",
-             "health:gpt2-small")
+             "health:gpt2-small", "muon-step:gpt2-small")
 OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "profile_llama.json",
              "gpu_tests.txt"}
 MAX_OUT_FILES = 8  # what comes back from the GPU machine
@@ -219,6 +219,9 @@ def test_muon_and_adamw_train_the_same_tokens_and_muon_carries_the_comparison(sm
     assert muon["loss_diff"] == round(muon["late_mean_loss"] - adamw["late_mean_loss"], 5)
     assert muon["speed_ratio"] == round(muon["tokens_per_s"] / adamw["tokens_per_s"], 4)
     assert "--set optimizer=muon" in muon["command"]
+    [alone] = _by_workload(smoke.records)["muon-step:gpt2-small"]  # the optimizer step alone, both ways
+    assert alone["status"] == "ok" and alone["matrices"] == 6 and alone["torch_step_ms"] > 0
+    assert alone["batched_step_ms"] > 0 and alone["speedup"] > 0 and len(alone["speedup_rounds"]) == alone["rounds"]
 
 
 def test_health_profile_llama_and_micro_batch_64_report_their_measurements(smoke):

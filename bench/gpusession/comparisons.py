@@ -122,6 +122,19 @@ def step_muon(ctx: Context) -> None:
                           loss_diff=_difference(record.get("late_mean_loss"), adamw.get("late_mean_loss")),
                           speed_ratio=_ratio(record.get("tokens_per_s"), adamw.get("tokens_per_s")))
         append_record(ctx.out, record)
+    _muon_step_alone(ctx)
+
+
+def _muon_step_alone(ctx: Context) -> None:
+    """Muon's optimizer step alone, torch's against nanopt's batched one, on GPT-2 small's 48 block matrices (tiny
+    ones in a smoke run): in this process, after the step's last fork (bench/bench_muon_step.py)."""
+    import bench_muon_step
+
+    shapes = ["64x32:4", "32x64:2"] if ctx.smoke else list(bench_muon_step.GPT2_SMALL)
+    measured = bench_muon_step.measure(shapes, 2 if ctx.smoke else 10, 2 if ctx.smoke else 3)
+    record = base_record(ctx, "muon-step:gpt2-small", "python bench/bench_muon_step.py")
+    record.update({key: value for key, value in measured.items() if key not in ("device", "torch")})
+    append_record(ctx.out, record)
 
 
 def _difference(ours: float | None, theirs: float | None) -> float | None:

@@ -78,7 +78,8 @@ STEPS = (
     # GPT-2 small at micro-batch 64, both sides: a new shape, so both compile cold.
     Step("throughput-gpt2-64", ("gpt2-small:micro64",), ("cold", "cold"), 20, 60),
     # AdamW and Muon, 100 steps each at the session's shape (the same graph: Muon's step is not compiled).
-    Step("muon", ("muon:gpt2-small",), ("cached", "cached"), 36, 40, needs_data=True),
+    # Then Muon's optimizer step alone, torch's against nanopt's batched one, in the step's process (a few seconds).
+    Step("muon", ("muon:gpt2-small", "muon-step:gpt2-small"), ("cached", "cached"), 40, 40, needs_data=True),
     # Random tokens in this process, compiled at the session's shape; 2 + 2 x 10 blocks of 10 steps.
     Step("health", ("health:gpt2-small",), ("cached",), 20, 25),
 )
