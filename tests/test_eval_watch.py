@@ -6,6 +6,7 @@ into checkpoints/; links refused where the watcher writes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,6 +23,8 @@ from trainhelp import HIDE_CUDA, write_tiny_checkpoint
 
 from nanopt.errors import WritePathError
 from nanopt.evaluate.history import read_history
+from nanopt.evaluate.report import EvalOptions
+from nanopt.evaluate.watch import WatchEvents, watch_run
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.checkpoint.hold import HOLD_TTL_S, Hold, hold_is_live, is_held, remove_stale_holds, still_there
 from nanopt.train.checkpoint.write import remove_step_dir
@@ -307,6 +310,27 @@ def test_with_keep_1_each_checkpoint_is_scored_or_said_to_be_missed(tmp_path: Pa
     assert sorted(summary["scored"] + missed) == [2, 4, 6, 8, 10, 12], err
     assert all(f"step-{s:06d}: not scored: deleted by the training's retention" in err for s in missed)
     assert [r["step"] for r in read_history(run)] == summary["scored"]
+
+
+def test_a_checkpoint_pruned_as_watching_began_is_said_to_be_missed(tmp_path: Path, tiny_dataset: Path,
+                                                                     cli_in_process):
+    """A training started on the "watching" line may save, and its retention delete, at once: that checkpoint is
+    named as missed. Its event is recorded as "watching" is said, with the time rounded down to the ms (metrics.jsonl
+    rounds to the ms): the earliest time a checkpoint saved after the watcher started can carry."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=4, checkpoint_interval=4, eval_interval=0)
+    assert cli_in_process("train", run, "--no-live").returncode == 0
+    pruned = run / "checkpoints" / "step-000002"
+
+    class SavedAndPrunedAsWatchingIsSaid(WatchEvents):
+        def started(self, device: str) -> None:
+            record = {"kind": "event", "event": "checkpoint", "step": 2, "path": str(pruned),
+                      "time": math.floor(time.time() * 1000) / 1000}
+            with (run / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    summary = watch_run(run, EvalOptions(samples=None, tokens=512), poll_s=0.05, device="cpu",
+                        events=SavedAndPrunedAsWatchingIsSaid())
+    assert summary.scored == [4] and list(summary.passed_over) == [pruned.name]
 
 
 @pytest.mark.slow
