@@ -7,7 +7,8 @@ make it overwrite, append to or delete whatever the link names. So every write g
   then fstat: a regular file with no other name (a hard link); truncated only after that check;
 - replacing / replace_file: the new contents go to a temporary created exclusively beside the file
   (nanopt.rundir.temporary), fsync'd and renamed over it, so a reader never sees half a file;
-- create_file: a new file, created exclusively (O_EXCL), its descriptor kept open by the caller;
+- create_file: a new file whose name appears with its whole contents (written as .tmp-NAME, then renamed), its
+  descriptor kept open by the caller;
 - make_dir / new_dir: a directory nanopt writes into is a real directory, never a link or a file;
 - remove_tree: deletes a real directory inside a given root only, never through a link;
 - check_run_dir: the one check of a run directory before a command's first write into it.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanopt.errors import WritePathError
-from nanopt.rundir import RunDir, is_checkpoint_entry, temporary
+from nanopt.rundir import RunDir, is_checkpoint_entry, staged, temporary
 
 FILE_MODE = 0o644  # less the umask: the kernel applies it at creation
 DIR_MODE = 0o755
@@ -132,15 +133,30 @@ def append_whole(path: Path, text: str) -> None:
 
 
 def create_file(path: Path, data: bytes | str) -> int:
-    """A new file at `path` holding `data`, created exclusively (FileExistsError if anything is there, a link
-    included), and its descriptor, left open for the caller to keep (a checkpoint hold refreshes its time through it)
-    and close."""
-    fd = _open(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    """A new file at `path` holding `data`, and its descriptor, left open for the caller to keep (a checkpoint hold
+    refreshes its time through it) and close. FileExistsError if anything is at `path`, a link included.
+
+    The name appears with the whole contents: they are written to rundir.staged(path), created exclusively, which
+    is then renamed to `path`. Created at `path` and written after, a writer killed between the two (SIGKILL, the
+    OOM killer) would leave the name empty for good, and a reader could not tell it from one still being written.
+    Killed before the rename, it leaves only the .tmp- name, which its reader must count as nothing (see
+    nanopt.train.checkpoint.hold). A link planted at `path` after the look and before the rename is replaced,
+    never followed."""
+    path = Path(path)
+    tmp = staged(path)
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        os.write(fd, data.encode("utf-8") if isinstance(data, str) else data)
+        data = data.encode("utf-8") if isinstance(data, str) else data
+        done = 0
+        while done < len(data):  # a short write is retried
+            done += os.write(fd, data[done:])
+        if _lstat(path) is not None:
+            raise FileExistsError(errno.EEXIST, "file exists", str(path))
+        os.rename(tmp, path)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     return fd
 

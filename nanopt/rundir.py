@@ -51,13 +51,19 @@ LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"
 POINTERS = ("latest", "best")
 STEP_NAME = re.compile(r"step-(\d+)")  # checkpoints/step-N/, any number of digits
-TMP_PREFIX = ".tmp-"  # checkpoints/.tmp-step-N/ (being written) and .tmp-delete-step-N/ (being deleted)
+TMP_PREFIX = ".tmp-"  # checkpoints/.tmp-step-N/ (being written), .tmp-delete-step-N/ (being deleted); staged()
 
 
 def temporary(path: Path) -> Path:
     """Where the next contents of a file nanopt replaces whole are written before they are renamed over it
     (nanopt.files.replacing): NAME.tmp beside it, so a reader never sees half a file."""
     return path.with_name(path.name + ".tmp")
+
+
+def staged(path: Path) -> Path:
+    """Where a new file nanopt creates is written before it is renamed to its name (nanopt.files.create_file):
+    .tmp-NAME beside it, so the name never shows the file empty or half-written."""
+    return path.with_name(TMP_PREFIX + path.name)
 
 
 def is_checkpoint_entry(name: str) -> bool:

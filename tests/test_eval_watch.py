@@ -1,10 +1,12 @@
 """`nanopt eval RUN --watch`: every checkpoint scored once, in order, beside a real training; holds that keep a
 checkpoint from retention until released (in-process, deterministically); a restarted watcher skipping what it
-scored; nothing written into checkpoints/; links refused where the watcher writes."""
+scored; a holder paused and killed (or its staged file removed) at each step of taking its hold; nothing written
+into checkpoints/; links refused where the watcher writes."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,6 +23,8 @@ from trainhelp import HIDE_CUDA, write_tiny_checkpoint
 
 from nanopt.errors import WritePathError
 from nanopt.evaluate.history import read_history
+from nanopt.evaluate.report import EvalOptions
+from nanopt.evaluate.watch import WatchEvents, watch_run
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.checkpoint.hold import HOLD_TTL_S, Hold, hold_is_live, is_held, remove_stale_holds, still_there
 from nanopt.train.checkpoint.write import remove_step_dir
@@ -111,6 +115,79 @@ def test_a_link_at_holds_is_refused_and_links_in_it_never_count(tmp_path: Path):
     assert not is_held(run, "step-000010")  # a link as a hold: never
     remove_stale_holds(run)
     assert (elsewhere / "step-000010.x").is_file()  # and nothing it names is deleted
+
+
+# A holder in a process of its own that stops itself (SIGSTOP) at its first call of os.<argv[2]> while it takes its
+# hold: nanopt.files.create_file's write of the hold's contents, or its rename to the hold's name. There the test
+# kills it, as SIGKILL or the OOM killer may at any moment, or lets another reader start. Let go (SIGCONT), it says
+# "held" once it holds step-000010, and keeps the hold until its stdin closes.
+HOLDER = """
+import os, signal, sys
+from pathlib import Path
+from nanopt.train.checkpoint.hold import Hold
+run, call = Path(sys.argv[1]), sys.argv[2]
+real = getattr(os, call)
+def pause_once(*args):
+    setattr(os, call, real)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real(*args)
+setattr(os, call, pause_once)
+with Hold(run, "step-000010"):
+    if getattr(os, call) is pause_once:
+        sys.exit(f"took its hold without calling os.{call}")
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def holder_paused_at(run: Path, call: str) -> subprocess.Popen:
+    env = {**os.environ, **HIDE_CUDA, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run), call], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120  # starting Python and importing nanopt, on a loaded machine
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            assert os.WIFSTOPPED(status), f"the holder ended before it paused at os.{call} ({status})"
+            return proc
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"the holder never paused at os.{call}")
+
+
+@pytest.mark.parametrize("call", ["write", "rename"])
+def test_a_holder_killed_while_it_takes_its_hold_holds_nothing(tmp_path: Path, call: str):
+    """Killed between creating its hold's file and writing it, a holder left an empty hold, which counted for
+    HOLD_TTL_S (10 minutes) and no watcher removed: the checkpoint outlived its retention, and a restarted watcher
+    left the file behind. Now the contents are written before the hold's name appears."""
+    for step in (10, 20):
+        write_tiny_checkpoint(tmp_path, step)
+    holder = holder_paused_at(tmp_path, call)
+    holder.kill()
+    holder.communicate(timeout=60)
+    assert not is_held(tmp_path, "step-000010")
+    ckpt.apply_retention(tmp_path, keep=1)
+    assert names(tmp_path) == ["step-000020"]
+    remove_stale_holds(tmp_path)  # as the next watcher does when it starts
+    assert list((tmp_path / "holds").iterdir()) == []
+
+
+def test_a_holder_whose_staged_hold_a_starting_watcher_removes_still_takes_it(tmp_path: Path):
+    for step in (10, 20):
+        write_tiny_checkpoint(tmp_path, step)
+    holder = holder_paused_at(tmp_path, "rename")  # its hold written whole under .tmp-, not yet under its name
+    try:
+        assert remove_stale_holds(tmp_path) == 1  # another watcher starting: a .tmp- file is never a hold
+        holder.send_signal(signal.SIGCONT)
+        assert holder.stdout.readline() == "held\n"
+        assert is_held(tmp_path, "step-000010")
+        ckpt.apply_retention(tmp_path, keep=1)
+        assert names(tmp_path) == ["step-000010", "step-000020"]
+    finally:
+        holder.send_signal(signal.SIGCONT)  # (still paused if an assertion above failed)
+        holder.communicate(timeout=60)  # closes its stdin: the hold ends
+    assert holder.returncode == 0
+    assert list((tmp_path / "holds").iterdir()) == []
 
 
 def test_a_hold_names_a_checkpoint_never_a_path(tmp_path: Path):
@@ -233,6 +310,27 @@ def test_with_keep_1_each_checkpoint_is_scored_or_said_to_be_missed(tmp_path: Pa
     assert sorted(summary["scored"] + missed) == [2, 4, 6, 8, 10, 12], err
     assert all(f"step-{s:06d}: not scored: deleted by the training's retention" in err for s in missed)
     assert [r["step"] for r in read_history(run)] == summary["scored"]
+
+
+def test_a_checkpoint_pruned_as_watching_began_is_said_to_be_missed(tmp_path: Path, tiny_dataset: Path,
+                                                                     cli_in_process):
+    """A training started on the "watching" line may save, and its retention delete, at once: that checkpoint is
+    named as missed. Its event is recorded as "watching" is said, with the time rounded down to the ms (metrics.jsonl
+    rounds to the ms): the earliest time a checkpoint saved after the watcher started can carry."""
+    run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=4, checkpoint_interval=4, eval_interval=0)
+    assert cli_in_process("train", run, "--no-live").returncode == 0
+    pruned = run / "checkpoints" / "step-000002"
+
+    class SavedAndPrunedAsWatchingIsSaid(WatchEvents):
+        def started(self, device: str) -> None:
+            record = {"kind": "event", "event": "checkpoint", "step": 2, "path": str(pruned),
+                      "time": math.floor(time.time() * 1000) / 1000}
+            with (run / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    summary = watch_run(run, EvalOptions(samples=None, tokens=512), poll_s=0.05, device="cpu",
+                        events=SavedAndPrunedAsWatchingIsSaid())
+    assert summary.scored == [4] and list(summary.passed_over) == [pruned.name]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ and options, is not scored again (nanopt.evaluate.history). It ends when the run
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -85,8 +86,10 @@ def watch_run(run_dir: Path, opts: EvalOptions, *, poll_s: float = DEFAULT_POLL_
     seen: set[tuple[str, str]] = set()  # (name, checkpoint id) scored, skipped or passed over by this watcher
     try:
         with _stop_signals_interrupt():  # before "watching" is said: from then on Ctrl-C stops it
+            # Also before it is said (a training started on that line may save at once), and down to the ms that
+            # metrics.jsonl rounds its times to: a checkpoint event recorded after it never compares as before it.
+            started = math.floor(time.time() * 1000) / 1000
             events.started(str(rt.device))
-            started = time.time()
             while True:
                 history = read_history(run_dir)
                 for path in complete_checkpoints(run_dir):

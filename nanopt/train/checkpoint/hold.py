@@ -13,6 +13,11 @@ No lock is needed for the race between the two: retention renames a doomed check
 first, then looks for the checkpoint (`still_there`), waiting while a rename is in flight. Either retention sees the
 hold, or the reader sees the checkpoint gone.
 
+A hold's file appears whole (nanopt.files.create_file writes it as .tmp-step-N.ID and renames it), so a holder
+killed at any moment leaves no hold, or one that names its dead process: never an empty one, which would count for
+HOLD_TTL_S. A .tmp- name is never a hold; any reader's remove_stale_holds deletes it (a live holder whose staged file
+was deleted writes it again).
+
 Holds are written in RUN/holds/ only, never into checkpoints/. A link at holds/ or at a hold's name is refused
 (nanopt.files); retention counts only regular files in a real holds/ directory, with a time no further than
 HOLD_TTL_S in the past and none in the future, so a planted file keeps a checkpoint for at most HOLD_TTL_S and never
@@ -40,6 +45,7 @@ from nanopt.rundir import STEP_NAME, TMP_PREFIX, RunDir
 HOLD_TTL_S = 600.0  # a hold not refreshed for this long is stale: its holder is gone (or its machine is)
 CLOCK_SLACK_S = 60.0  # machines sharing a file system disagree on the time by this much at most
 MAX_HOLD_BYTES = 4096
+STAGING_TRIES = 5  # each failed try takes another reader's start (remove_stale_holds) in the instant it stages
 RENAME_WAIT_S = 30.0  # how long a reader waits for retention to rename a checkpoint back (microseconds in practice)
 
 
@@ -71,7 +77,7 @@ def hold_is_live(path: Path, now: float | None = None) -> bool:
         return False
     try:
         holder = read_json(path, error=NanoptError, max_bytes=MAX_HOLD_BYTES)
-    except NanoptError:  # unreadable or torn: its time alone decides
+    except NanoptError:  # not one nanopt wrote (it writes a hold whole): its time alone decides
         return True
     if isinstance(holder, dict) and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         return _process_exists(holder["pid"])
@@ -115,15 +121,17 @@ def still_there(checkpoint: Path, wait_s: float = RENAME_WAIT_S) -> bool:
 
 
 def remove_stale_holds(run_dir: Path) -> int:
-    """Delete the regular hold files in RUN/holds that no longer count (their holders are gone); how many. Only
-    files named after a checkpoint, inside a real holds/ directory."""
+    """Delete the regular hold files in RUN/holds that no longer count (their holders are gone), and the staged
+    ones (.tmp-step-N.ID: a holder killed before its hold appeared); how many. Only files named after a checkpoint,
+    inside a real holds/ directory."""
     holds, removed, now = _holds_dir(run_dir), 0, time.time()
     if holds is None:
         return 0
     for entry in os.scandir(holds):
-        name = entry.name.split(".", 1)[0]
-        if STEP_NAME.fullmatch(name) and entry.is_file(follow_symlinks=False) and not hold_is_live(Path(entry.path),
-                                                                                                 now):
+        staged = entry.name.startswith(TMP_PREFIX)
+        name = entry.name.removeprefix(TMP_PREFIX).split(".", 1)[0]
+        if STEP_NAME.fullmatch(name) and entry.is_file(follow_symlinks=False) and (
+                staged or not hold_is_live(Path(entry.path), now)):
             try:
                 os.unlink(entry.path)
                 removed += 1
@@ -147,10 +155,17 @@ class Hold:
         self._refresher: threading.Thread | None = None
 
     def __enter__(self) -> Hold:
-        make_dir(self.path.parent)
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self._fd = create_file(self.path, json.dumps({"checkpoint": self.name, "pid": os.getpid(),
-                                                      "host": socket.gethostname(), "created": stamp}) + "\n")
+        holder = json.dumps({"checkpoint": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                             "created": stamp}) + "\n"
+        for attempt in range(STAGING_TRIES):
+            make_dir(self.path.parent)
+            try:
+                self._fd = create_file(self.path, holder)
+                break
+            except FileNotFoundError:  # a reader starting meanwhile deleted the staged file (or holds/): again
+                if attempt == STAGING_TRIES - 1:
+                    raise
         self._refresher = threading.Thread(target=self._refresh, name=f"hold {self.name}", daemon=True)
         self._refresher.start()
         return self
