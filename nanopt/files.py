@@ -115,12 +115,16 @@ def open_file(path: Path, mode: str = "wb", encoding: str | None = None) -> IO[A
 def append_whole(path: Path, text: str) -> None:
     """`text` appended to `path` whole or not at all (created if missing, never through a link): a full disk or a
     file-size limit may take part of a write, and a torn line would stay in an append-only record such as
-    metrics.jsonl, so on any failure the file is cut back to its length before."""
+    metrics.jsonl, so on any failure the file is cut back to its length before. A file that already ends in a torn
+    line (a writer killed inside its write, a machine that lost power) gets a newline first: appended to that line,
+    the new one would be torn too, and its readers would skip both."""
     data = text.encode("utf-8")
     fd = _open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         st = os.fstat(fd)
         _check_file(Path(path), st)
+        if st.st_size and not _ends_a_line(path, st.st_size):
+            data = b"\n" + data
         try:
             done = 0
             while done < len(data):  # a short write is retried: the rest either fits or raises (EFBIG, ENOSPC)
@@ -128,6 +132,19 @@ def append_whole(path: Path, text: str) -> None:
         except OSError as exc:
             os.ftruncate(fd, st.st_size)
             raise OSError(exc.errno, exc.strerror, str(path)) from None  # os.write's error names no file
+    finally:
+        os.close(fd)
+
+
+def _ends_a_line(path: Path, size: int) -> bool:
+    """Whether the file's last byte is a newline (read through a descriptor of its own: the appending one is
+    write-only). A file that cannot be read is taken to end one: nothing is added to it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return True
+    try:
+        return os.pread(fd, 1, size - 1) in (b"\n", b"")
     finally:
         os.close(fd)
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from clihelp import REPO, assert_user_error
@@ -217,6 +218,23 @@ def test_watch_options_are_checked_first(tmp_path: Path, cli_in_process):
     assert_user_error(cli_in_process("eval", tmp_path, "--watch", "--device", "tpu:0"), "--device")
     assert_user_error(cli_in_process("eval", tmp_path, "--device", "cuda:99"), "--device")
     assert_user_error(cli_in_process("eval", tmp_path, "--device", "cpu", "--nproc-per-node", "2"), "--device")
+
+
+def test_a_result_appended_after_a_torn_line_is_kept(tmp_path: Path):
+    # An eval killed inside its write (or a machine that lost power) leaves a last line without its newline. The
+    # next result must not be glued onto it: readers skip a line that is no JSON, and would lose both.
+    from nanopt.evaluate.history import append_result
+    from nanopt.train.eval_history import read_history
+
+    first = {"step": 2, "tokens_trained": 128, "test_loss": 4.8, "settings": {}}
+    (tmp_path / "eval_history.jsonl").write_text(json.dumps(first) + "\n" + '{"step": 4, "tok')
+    opts = SimpleNamespace(data=None, tokens=None, samples=None, tasks=None, harness=None)
+    append_result(tmp_path, {"step": 6, "tokens_trained": 384, "test_loss": 4.1, "settings": {}}, {}, opts)
+    assert [r["step"] for r in read_history(tmp_path)] == [2, 6]
+    assert (tmp_path / "eval_history.jsonl").read_text().endswith("\n")
+    append_result(tmp_path, {"step": 8, "tokens_trained": 512, "test_loss": 4.0, "settings": {}}, {}, opts)  # whole
+    assert [r["step"] for r in read_history(tmp_path)] == [2, 6, 8]
+    assert (tmp_path / "eval_history.jsonl").read_text().count("\n\n") == 0  # no newline added to a whole one
 
 
 def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_path: Path):
