@@ -26,8 +26,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from nanopt.errors import NanoptError
 from nanopt.files import make_dir, replace_file
 from nanopt.rundir import RunDir
 
@@ -117,23 +119,36 @@ def start_stall_watch(session: Any) -> StallWatch | None:
 
 def _report(session: Any, stall: Stall) -> None:
     rt, paths = session.rt, RunDir(session.run.run_dir)
-    make_dir(paths.stalls)
-    stacks = paths.stall_stacks(rt.rank)
-    replace_file(stacks, f"nanopt train: rank {rt.rank} of {rt.world_size}: no progress for {stall.idle_s:.0f} s at "
-                         f"step {stall.step} (phase {stall.phase}), {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\n"
-                         f"{thread_stacks()}")
+    stacks = _write_stacks(paths, rt, stall)
     if not rt.is_main:
         return
-    session.metrics.write("event", step=stall.step, event="stall", phase=stall.phase, idle_s=round(stall.idle_s),
-                          stacks=str(stacks))
-    where = f"{stacks}" + (f" (the other ranks': {paths.stalls}/rank-R.txt)" if rt.world_size > 1 else "")
+    where = "could not be written" if stacks is None else f"is in {stacks}"
+    if rt.world_size > 1:
+        where += f" (the other ranks': {paths.stalls}/rank-R.txt)"
     session.observer.health({
         "step": stall.step, "verdict": "stall",
         "message": f"no progress for {stall.idle_s:.0f} s in {stall.phase} (stall_timeout_s "
-                   f"{session.run.train.stall_timeout_s:g}); every thread's stack is in {where}",
+                   f"{session.run.train.stall_timeout_s:g}); every thread's stack {where}",
         "advice": "a rank waiting in a collective (all_reduce, barrier) waits for a peer: read the peer's file; a GPU "
                   "that stopped answering shows in nvidia-smi and the kernel log (Xid). The run is still waiting: "
                   "stop it (Ctrl-C) and run the same command to resume from the last checkpoint"})
+    # After the warning: a disk too full for the record must not keep the person from hearing of the stall.
+    session.metrics.write("event", step=stall.step, event="stall", phase=stall.phase, idle_s=round(stall.idle_s),
+                          stacks=None if stacks is None else str(stacks))
+
+
+def _write_stacks(paths: RunDir, rt: Any, stall: Stall) -> Path | None:
+    """This rank's threads' stacks into RUN/stalls/rank-R.txt; None when they could not be written (a full disk
+    must not keep rank 0 from saying that the run stalled)."""
+    stacks = paths.stall_stacks(rt.rank)
+    try:
+        make_dir(paths.stalls)
+        replace_file(stacks, f"nanopt train: rank {rt.rank} of {rt.world_size}: no progress for {stall.idle_s:.0f} s "
+                             f"at step {stall.step} (phase {stall.phase}), {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+                             f"\n\n{thread_stacks()}")
+    except (OSError, NanoptError):
+        return None
+    return stacks
 
 
 def _over(session: Any, stall: Stall, idle_s: float) -> None:
