@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in ONE call of about 9 minutes (bench/RESULTS.md, "GPU session"). On the GPU machine:
-#     bash bench/gpu_session.sh                 # --out defaults to $OUT; the interpreter to python3
-#     bash bench/gpu_session.sh --plan next     # the next window's queue
+#     bash bench/gpu_session.sh                 # the next window's queue; --out defaults to $OUT, python3
+#     bash bench/gpu_session.sh --plan window   # the first window's steps
 # Before shipping the tree (it arrives without .git): git rev-parse --short HEAD > bench/COMMIT
 # Nothing is installed: nanopt runs from the copied tree (PYTHONPATH is the repository root), and nothing needs the
 # network or `datasets`. `timeout 590` keeps the call under the 10-minute limit even if the session's own budget

@@ -2,8 +2,8 @@
 OUT/results.jsonl the moment it exists and on stdout as one compact line, a summary table at the end.
 
     git rev-parse --short HEAD > bench/COMMIT        # before shipping the tree (the GPU machine gets no .git)
-    bash bench/gpu_session.sh                        # on the GPU machine: --out $OUT, python3, timeout 590
-    bash bench/gpu_session.sh --plan next            # the next window's queue (bench/RESULTS.md)
+    bash bench/gpu_session.sh                        # on the GPU machine: the next window's queue (bench/RESULTS.md)
+    bash bench/gpu_session.sh --plan window          # the first window's steps (on a card not measured yet)
     python3 bench/gpu_session.py --out /tmp/smoke --smoke   # CPU: every step, tiny shapes (the test suite)
 
 Each step runs in its own process with its own wall-clock budget (plan.py): a step that hangs, runs out of memory
@@ -262,7 +262,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--commit", help="the commit measured (default: bench/COMMIT, else git, else unknown)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run: every step, tiny shapes, seconds each")
     parser.add_argument("--plan", choices=sorted(PLANS), default=None,
-                        help="window (default): this window's steps; next: the queue's; all (smoke default)")
+                        help="next (default): the queue's steps (bench/RESULTS.md); window: the first window's; "
+                             "all (smoke default)")
     parser.add_argument("--only", help=f"comma-separated steps, run in table order: {','.join(STEP_NAMES)}")
     parser.add_argument("--budget", action="append", default=[], metavar="STEP=SECONDS",
                         help="one step's exact wall-clock budget (repeatable)")
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         out = resolve_out(args.out, dict(os.environ))
-        steps = select_steps(args.plan or ("all" if args.smoke else "window"), args.only)
+        steps = select_steps(args.plan or ("all" if args.smoke else "next"), args.only)
         overrides = parse_budgets(args.budget)
     except ValueError as exc:
         parser.error(str(exc))
