@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,18 @@ def test_the_throughput_shapes_fit_an_h100_and_an_h200(device_bytes: int, tmp_pa
                                 activation_checkpointing=False, parallelism="ddp", world_size=1,
                                 optimizer="adamw").total(64)
     assert at_64.micro_batch == 64 and predicted * (1 + 17.42 / 13.78) < 0.95 * device_bytes
+
+
+def test_the_throughput_step_times_the_accumulation_training_runs_at(tmp_path: Path, tiny_dataset: Path):
+    # GPT-2 small's preset trains 0.5M-token steps: 16 micro-batches of 32 x 1024. The first two GPU windows timed
+    # accumulation 1 only, because the plan read the global batch after it had been cut to one micro-batch.
+    from gpusession.throughput import _setup
+
+    ctx = records.Context(out=tmp_path, work=tmp_path, smoke=False, commit="test")
+    shutil.copytree(tiny_dataset, ctx.data)
+    bench = _setup(ctx, "gpt2-small", "gpt2-small", 32, 16, 32)
+    assert (bench.plan.micro_batch, bench.plan.accums, bench.plan.preset_accum) == (32, [1, 16], 16)
+    assert bench.run.train.micro_batch_size == 32 and bench.run.train.compile is True
 
 
 # ------------------------------------------------------------------------------------ processes and kills

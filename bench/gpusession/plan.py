@@ -53,7 +53,8 @@ STEPS = (
     Step("preflight", ("preflight",), ("tiny",), 12, 10, fatal=True),
     Step("data", ("tokenize:stdlib",), (), 5, 5),  # 2 s measured
     # nanopt and nanogpt-compiled, each compiled once (the accumulations and the second round reuse the graph).
-    Step("throughput-gpt2", ("gpt2-small",), ("cold", "cold"), 18, 60),
+    # Accumulation 1, then the preset's (16 at 32): ~14 s more than the first window's accumulation 1 alone.
+    Step("throughput-gpt2", ("gpt2-small",), ("cold", "cold"), 32, 60),
     Step("memory", ("memory:gpt2-small", "memory:llama-1b"), (), 15, 10),  # eager: four shapes, no compile
     # Eager search (trials in one process), then one compiled trial at the throughput shape (cache hit).
     Step("find-batch", ("find-batch:gpt2-small",), ("cached",), 47, 20, needs_data=True),
@@ -63,9 +64,9 @@ STEPS = (
     # The tests' own processes compile (tiny models); 15 tests, two compiled find-batch searches among them: 146 s in
     # the first window, and the second's 12 passed in 123 s before the find-batch tests. Last in every plan on
     # purpose: it also takes whatever the steps before it left.
-    Step("gpu-tests", ("gpu-tests",), ("tiny",), 134, 20, countable=False),
+    Step("gpu-tests", ("gpu-tests",), ("tiny",), 120, 20, countable=False),
     # A 16-layer model compiled twice; each side freed before the next is built (14 s of work measured).
-    Step("throughput-llama", ("llama-1b",), ("cold-1b", "cold-1b"), 21, 60),
+    Step("throughput-llama", ("llama-1b",), ("cold-1b", "cold-1b"), 35, 60),  # and at accumulation 8
     # Three training processes (uninterrupted, killed, resumed), 60 steps and eight checkpoints in all.
     Step("resume", ("resume:gpt2-small",), ("cold", "cached", "cached"), 45, 60, needs_data=True),
     # `off` at the session's shape (cache hit), `head` (the FP8 loss: a graph of its own), 100 steps each; `all`
@@ -76,7 +77,7 @@ STEPS = (
     # second window gave it 68 s and it was cut off with nothing written: 60 s of work beyond the compile.
     Step("profile-llama", ("profile:llama-1b",), ("cold-1b",), 60, 40, needs_data=True),
     # GPT-2 small at micro-batch 64, both sides: a new shape, so both compile cold.
-    Step("throughput-gpt2-64", ("gpt2-small:micro64",), ("cold", "cold"), 20, 60),
+    Step("throughput-gpt2-64", ("gpt2-small:micro64",), ("cold", "cold"), 40, 60),  # and at accumulation 8
     # AdamW and Muon, 100 steps each at the session's shape (the same graph: Muon's step is not compiled).
     # Then Muon's optimizer step alone, torch's against nanopt's batched one, in the step's process (a few seconds).
     Step("muon", ("muon:gpt2-small", "muon-step:gpt2-small"), ("cached", "cached"), 40, 40, needs_data=True),

@@ -117,11 +117,13 @@ def _setup(ctx: Context, workload: str, preset_name: str, wanted_micro: int, acc
     from nanopt.model.memory import estimate_memory
     from nanopt.runtime import init_runtime
 
-    run = with_shape(load_run(preset(ctx, preset_name)), 1, compile_setting=True)  # compiled, as on a GPU by default
-    rt = init_runtime(run.train.precision)
+    configured = load_run(preset(ctx, preset_name))
+    rt = init_runtime(configured.train.precision)
     device_bytes = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
-    plan = throughput_plan(ctx, run, wanted_micro, accum_cap, timed_micro, device_bytes, True, rt.precision)
-    run = with_shape(run, plan.micro_batch)
+    # Planned from the preset's own global batch: its accumulation is the cadence training runs at (with_shape
+    # leaves one micro-batch a step, and planned from that the first two windows timed accumulation 1 only).
+    plan = throughput_plan(ctx, configured, wanted_micro, accum_cap, timed_micro, device_bytes, True, rt.precision)
+    run = with_shape(configured, plan.micro_batch, compile_setting=True)  # compiled, as on a GPU by default
     predicted = estimate_memory(run.model, run.seq_len, precision=rt.precision, compiled=True,
                                 activation_checkpointing=False, parallelism="ddp", world_size=1,
                                 optimizer=run.train.optimizer,
