@@ -66,13 +66,18 @@ def _group_step(group: dict[str, Any], params: list[torch.Tensor], grads: list[t
                             alpha=-step)
 
 
-def _batches(params: list[torch.Tensor]) -> list[list[int]]:
-    """Indices of `params` by shape, in batches of at most BATCH_ELEMENTS elements (at least one matrix each)."""
+def indices_by_shape(params: list[torch.Tensor]) -> dict[tuple[int, ...], list[int]]:
+    """The indices of `params` grouped by shape, in first-seen order (every rank walks them alike)."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for index, param in enumerate(params):
         by_shape.setdefault(tuple(param.shape), []).append(index)
+    return by_shape
+
+
+def _batches(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `params` by shape, in batches of at most BATCH_ELEMENTS elements (at least one matrix each)."""
     batches = []
-    for shape, indices in by_shape.items():
+    for shape, indices in indices_by_shape(params).items():
         size = max(1, BATCH_ELEMENTS // max(1, shape[0] * shape[1]))
         batches += [indices[start:start + size] for start in range(0, len(indices), size)]
     return batches

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanopt.config import TrainConfig
 from nanopt.errors import ConfigError
-from nanopt.train.muon_step import batched_muon_step, batched_step_supported
+from nanopt.train.muon_step import batched_muon_step, batched_step_supported, indices_by_shape
 
 MUON_MOMENTUM = 0.95
 
@@ -211,12 +211,9 @@ def _orthogonalized_rows(params: list[torch.Tensor], updates: list[torch.Tensor]
     world times both), in bf16: torch's Newton-Schulz converts its input to bf16 first, so sending bf16 changes
     nothing. Every rank walks the same parameters in the same order, as collectives require.
     """
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for index, param in enumerate(params):
-        by_shape.setdefault(tuple(param.shape), []).append(index)
     results: list[torch.Tensor] = [torch.empty(0)] * len(params)
     world = params[0].device_mesh.size() if params else 1
-    for indices in by_shape.values():
+    for indices in indices_by_shape(params).values():
         for start in range(0, len(indices), world):
             batch = indices[start:start + world]
             rows = _orthogonalize_one_per_rank(params[batch[0]], [updates[i] for i in batch], orthogonalize)
