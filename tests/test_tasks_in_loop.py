@@ -86,7 +86,7 @@ def test_the_cost_warning_spreads_the_tasks_time_over_their_interval():
 
     def session(step: int, eval_s: float) -> SimpleNamespace:
         train = SimpleNamespace(eval_interval=2, downstream_interval=8)
-        return SimpleNamespace(run=SimpleNamespace(train=train), state=SimpleNamespace(step=step),
+        return SimpleNamespace(run=SimpleNamespace(train=train), state=SimpleNamespace(step=step, val_step=step),
                                clock=SimpleNamespace(last={"eval": eval_s}), downstream_last=(8, 4.0))
 
     assert typical_eval_seconds(session(8, 5.0)) == pytest.approx(2.0)  # scored now: 1 s + 4 s / 4

@@ -55,26 +55,29 @@ def typical_eval_seconds(s: Any) -> float:
     """The latest evaluation's seconds as the cost warning should weigh them: the downstream tasks' time spread
     evenly over the evaluations between two scorings (scored every downstream_interval steps, not every
     eval_interval), so an interval with tasks and one without are judged alike."""
-    eval_s = s.clock.last["eval"] or 0.0
-    if s.downstream_last is None:
-        return eval_s
-    scored_at, tasks_s = s.downstream_last
-    share = s.run.train.eval_interval / max(downstream_interval(s.run.train), 1)
-    return eval_s - tasks_s + share * tasks_s if scored_at == s.state.step else eval_s + share * tasks_s
+    loss_eval_s, tasks_s = _latest_evaluation(s)
+    return loss_eval_s + s.run.train.eval_interval / max(downstream_interval(s.run.train), 1) * tasks_s
 
 
 def tasks_seconds_left(s: Any) -> tuple[float, float]:
     """For the live ETA: (the latest evaluation's seconds without its downstream tasks, the tasks' seconds for the
     scorings left in the run). The tasks run every downstream_interval steps, not at every evaluation: the latest
     evaluation's duration alone would charge them to every evaluation left, or to none."""
+    loss_eval_s, tasks_s = _latest_evaluation(s)
+    interval = downstream_interval(s.run.train)
+    left = occasions(interval, s.state.step, s.total_steps) if tasks_s and interval and s.run.train.eval_interval \
+        else 0
+    return loss_eval_s, left * tasks_s
+
+
+def _latest_evaluation(s: Any) -> tuple[float, float]:
+    """(the latest evaluation's seconds without downstream tasks, the latest scoring's seconds; 0.0 without tasks).
+    The scoring is part of the latest evaluation's time when it was scored at that evaluation's step."""
     eval_s = s.clock.last["eval"] or 0.0
     if s.downstream_last is None:
         return eval_s, 0.0
     scored_at, tasks_s = s.downstream_last
-    loss_eval_s = eval_s - tasks_s if scored_at == s.state.val_step else eval_s
-    interval = downstream_interval(s.run.train)
-    left = occasions(interval, s.state.step, s.total_steps) if interval and s.run.train.eval_interval else 0
-    return max(loss_eval_s, 0.0), left * tasks_s
+    return (max(eval_s - tasks_s, 0.0) if scored_at == s.state.val_step else eval_s), tasks_s
 
 
 def downstream_advice(s: Any) -> str:
