@@ -135,6 +135,19 @@ def test_eval_health_replays_the_metrics_and_draws_the_chart(tmp_path: Path, tin
     assert sorted(v["name"] for v in saved["verdicts"]) == ["plateau", "stagnating_updates"]
 
 
+def test_eval_health_judges_over_the_window_the_run_was_trained_with(tmp_path: Path, tiny_dataset: Path,
+                                                                      cli_in_process):
+    # train.json says 30 steps (a 10-step window); the run was trained for 80 with --set (a 20-step window). The
+    # replay must judge as training did: from the checkpoint's snapshot, not from the file.
+    run = make_run(tmp_path, tiny_dataset, **SHORT)
+    result = cli_in_process("train", run, "--no-live", "--json", "--set", "max_steps=80")
+    assert result.returncode == 0, result.stderr
+    trained = json.loads(result.stdout)["health"]["signals"]["window_steps"]
+    replayed = cli_in_process("eval", run, "--health", "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["signals"]["window_steps"] == trained == 20
+
+
 def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
     run = make_run(tmp_path, tiny_dataset)
     assert_user_error(run_cli("eval", run, "--health"), "no metrics.jsonl")

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import RunConfig, load_run
+from nanopt.config.load import model_config_from_snapshot, train_config_from_snapshot
 from nanopt.data.mixture import open_run_data
 from nanopt.errors import NanoptError
 from nanopt.rundir import RunDir
+from nanopt.train.checkpoint.meta import read_meta
+from nanopt.train.checkpoint.read import complete_checkpoints
 from nanopt.train.health import STAGNANT_RATIO, HealthSettings, replay
 from nanopt.train.metrics import read_metrics, save_chart
 
@@ -34,13 +37,29 @@ def _data_id_limit(run: RunConfig) -> int | None:
 
 def health_report(run_dir: Path, chart: bool = True) -> dict[str, Any]:
     """A run's health section with its chart (None before the first train record)."""
-    run = load_run(run_dir)
+    run = _as_trained(load_run(run_dir))
     records = read_metrics(run.run_dir)
     report = {"run": str(run_dir), **run_health(run, records), "chart": None}
     if chart and any(r.get("kind") == "train" for r in records):
         report["chart"] = str(save_chart(health_figure(records, report["verdicts"], run_dir),
                                          RunDir(run_dir).health_chart))
     return report
+
+
+def _as_trained(run: RunConfig) -> RunConfig:
+    """The run as its newest checkpoint was trained: a `--set max_steps=...` or an edit of train.json since changes
+    the run's length, and with it the window the verdicts are judged over, as training judged them (eval.json's
+    section already comes from the checkpoint it scores). train.json's when there is no usable checkpoint yet."""
+    newest = complete_checkpoints(run.run_dir)[-1:]
+    if not newest:
+        return run
+    try:
+        config = read_meta(newest[0] / "meta.json")["config"]
+        model = model_config_from_snapshot(config["model"], "config.model")
+        train = train_config_from_snapshot(config["train"], model, "config.train")
+    except (NanoptError, KeyError, TypeError):  # damaged or foreign: its run is judged by train.json, as before
+        return run
+    return RunConfig(run_dir=run.run_dir, model=model, train=train)
 
 
 def _series(train: list[dict[str, Any]], key: str, inner: str | None = None) -> tuple[list[int], list[float]]:
