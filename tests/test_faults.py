@@ -423,7 +423,7 @@ def test_a_stalled_run_says_where_each_rank_waits_and_when_progress_resumes(tmp_
     # hung run that looks alive. After stall_timeout_s without progress, rank 0 writes every thread's stack,
     # records the stall and says so; when rank 1 goes on, so does the run, and that is recorded too.
     run = copy_run(reference_2ranks, tmp_path)
-    job = start_2ranks(launcher, run, "--set", "stall_timeout_s=3")
+    job = start_2ranks(launcher, run, "--set", "stall_timeout_s=5")
     workers = {rank_of(w): w for w in workers_of(job)}
     wait_for_step(run, 5, lambda: not launcher.finished(job))
     stacks = run / "stalls" / "rank-0.txt"
@@ -432,18 +432,25 @@ def test_a_stalled_run_says_where_each_rank_waits_and_when_progress_resumes(tmp_
         deadline = time.monotonic() + HANG_GUARD_S
         while not stacks.exists() and time.monotonic() < deadline and not launcher.finished(job):
             time.sleep(0.05)
+        text = stacks.read_text() if stacks.exists() else ""  # this stall's (a later one would replace it whole)
     finally:
         workers[1].resume()
     result = finish(launcher, job)
     assert result.status == 0, result.stderr[-3000:]
-    text = stacks.read_text()
-    assert text.startswith("nanopt train: rank 0 of 2: no progress for") and "all_reduce" in text, text[:3000]
+    # Where the main thread waits: the step's all-reduce, DDP's inside the backward, or a checkpoint's collective.
+    main = text[text.find("Thread MainThread (most recent call last):"):]
+    assert text.startswith("nanopt train: rank 0 of 2: no progress for") and "nanopt/train/loop.py" in main, text
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     stalls = [e for e in events if e.get("event") == "stall"]
-    assert len(stalls) == 1 and stalls[0]["step"] >= 5 and stalls[0]["idle_s"] >= 3, stalls
-    assert stalls[0]["phase"] == "training" and stalls[0]["stacks"] == str(stacks)
-    assert [e["step"] for e in events if e.get("event") == "stall_over"] == [stalls[0]["step"]]
-    assert re.search(r"health: stall: no progress for \d+ s in training \(stall_timeout_s 3\)", result.stderr)
+    # The first is the one the stop caused (a loaded machine may pause the run again later: another stall, rightly).
+    assert stalls and stalls[0]["step"] >= 5 and stalls[0]["idle_s"] >= 5, stalls
+    # Rank 0 waits in the step or in the evaluation's or a checkpoint's collective (one is due every few steps
+    # here): wherever it is, the event, the file and the message say the same.
+    phase = stalls[0]["phase"]
+    assert phase in ("training", "evaluation or checkpoint") and f"(phase {phase})" in text.splitlines()[0]
+    assert stalls[0]["stacks"] == str(stacks)
+    assert [e["step"] for e in events if e.get("event") == "stall_over"][0] == stalls[0]["step"]
+    assert re.search(rf"health: stall: no progress for \d+ s in {phase} \(stall_timeout_s 5\)", result.stderr)
     assert max(losses(run)) == 20
 
 
