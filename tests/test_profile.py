@@ -16,7 +16,8 @@ SUMMARY_KEYS = {"run", "device", "precision", "tf32", "compiled", "world_size", 
                 "seq_len",
                 "tokens_per_step", "schedule", "step_time_s", "busy_s", "idle_s", "busy_share", "idle_share",
                 "busy_measure", "cpu_overhead_s", "cpu_overhead_share", "cpu_wait_s", "host_bound", "data_wait_s",
-                "data_wait_share", "categories", "top_ops", "peak_memory_bytes", "peak_memory_measure",
+                "data_wait_share", "categories", "kernel_overlap", "streams", "overlap_note", "top_ops",
+                "peak_memory_bytes", "peak_memory_measure",
                 "tokens_per_s", "mfu", "peak_flops", "peak_source", "compile", "trace", "tensorboard_dir",
                 "summary_path"}
 
@@ -192,8 +193,58 @@ def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
     assert s["cpu_overhead_s"] == pytest.approx(60e-6) and s["cpu_wait_s"] == pytest.approx(1000e-6)
     assert s["host_bound"] is False
     assert [op["name"] for op in s["top_ops"]] == [gemm, add, copy]
+    assert [op["launched_by"] for op in s["top_ops"]] == ["aten::mm", "aten::add", "aten::_local_scalar_dense"]
     shares = {c["category"]: c["share"] for c in s["categories"]}
     assert shares["matmul"] == pytest.approx(200 / 310) and shares["other"] == 0
+    # One stream, each kernel once: the kernels' sum is the busy time, and nothing is said about overlap.
+    assert s["kernel_overlap"] == pytest.approx(1.0) and s["overlap_note"] is None
+
+
+def test_cuda_summary_says_when_kernels_add_up_to_more_than_the_busy_time():
+    """The first 1B Llama profile on an H100 put 47% of the kernel time in the optimizer while its kernels added up to
+    176% of the GPU's busy time: shares of a sum that no single stream can reach. The summary must say so, and name
+    the operator that launched each top kernel, rather than let the table read as the step's split."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from nanopt.plan.profile import ProfileOptions, short_kernel_name, summarize
+
+    def cpu(name: str, parent=None, kernels=()):
+        return SimpleNamespace(name=name, self_cpu_time_total=5, cpu_parent=parent, device_type=DeviceType.CPU,
+                               is_async=False, kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+
+    def gpu(name: str, start: float, end: float):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_async=False, is_user_annotation=False,
+                               time_range=SimpleNamespace(start=start, end=end), device_resource_id=7)
+
+    gemm = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
+    norm = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "TensorListMetadata<1>, at::native::LpNormFunctor<float, (at::native::NormType)1, float, float>, "
+            "float*, int>")
+    clip = cpu("aten::_foreach_norm", kernels=[(norm, 300)])
+    # The same 300 us kernel listed under two CPU events: on the GPU timeline it ran once.
+    events = [cpu("aten::mm", kernels=[(gemm, 400)]), clip, cpu("aten::linalg_vector_norm", clip, [(norm, 300)]),
+              gpu(gemm, 0, 400), gpu(norm, 400, 700)]
+    collected = collect(SimpleNamespace(events=lambda: events), on_cuda=True)
+    assert collected["streams"] == [7]
+    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
+                            micro_batch_size=2, seq_len_stages=None)
+    session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
+                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
+                                                 world_size=1),
+                              flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
+                              memory=SimpleNamespace(peak=lambda: 1 << 30))
+    s = summarize(session, ProfileOptions(active=1, top=5), collected, [800e-6], [0.0], compiled=False)
+    assert s["busy_s"] == pytest.approx(700e-6)
+    assert s["kernel_overlap"] == pytest.approx(1000 / 700)
+    assert "143% of the GPU's busy time" in s["overlap_note"] and "attributed some kernels twice" in s["overlap_note"]
+    top = {op["name"]: op for op in s["top_ops"]}
+    assert top[short_kernel_name(norm)]["launched_by"] in {"aten::_foreach_norm", "aten::linalg_vector_norm"}
+    assert top[gemm]["launched_by"] == "aten::mm"
+    # The functor that tells one foreach kernel from another is kept, the namespaces around it are not.
+    assert short_kernel_name(norm) == ("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, "
+                                       "(NormType)1, float, float>, float*, int>")
 
 
 @pytest.mark.parametrize(("name", "waits"), [

@@ -103,6 +103,8 @@ def render(s: dict[str, Any]) -> None:
     out = console()
     out.print(_overview(s))
     out.print(_categories(s))
+    if s.get("overlap_note"):
+        out.print(f"[yellow]note:[/] {escape(s['overlap_note'])}")
     out.print(_top(s))
 
 
@@ -171,7 +173,11 @@ def _top(s: dict[str, Any]) -> Table:
     table.add_column("per step", justify="right")
     table.add_column("share", justify="right")
     table.add_column("calls / step", justify="right")
+    launched = any(op.get("launched_by") for op in s["top_ops"])
+    if launched:
+        table.add_column("launched by", overflow="fold", max_width=40)
     for op in s["top_ops"]:
-        table.add_row(escape(op["name"]), op["category"], seconds(op["seconds_per_step"]), fmt.percent(op["share"]),
-                      f"{op['calls_per_step']:g}")
+        row = [escape(op["name"]), op["category"], seconds(op["seconds_per_step"]), fmt.percent(op["share"]),
+               f"{op['calls_per_step']:g}"]
+        table.add_row(*row, *([escape(op.get("launched_by") or "-")] if launched else []))
     return table

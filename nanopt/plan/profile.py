@@ -11,7 +11,10 @@ are summarized:
   time of every profiled operator (Python glue between operators, the dispatcher outside operators and the
   profiler itself are the idle rest);
 - the operators (CPU) or kernels (GPU) with the most self time, and their shares grouped into categories; what
-  runs inside an optimizer step, a collective, an attention call or a loader wait counts for that category;
+  runs inside an optimizer step, a collective, an attention call or a loader wait counts for that category. On a
+  GPU each top kernel names the operator that launched it (`launched_by`), and `kernel_overlap` is the kernels'
+  summed time over the busy time: above 1, kernels ran on several streams at once or the profiler attributed some
+  twice, and the shares are of the summed kernel time, not of the step (`overlap_note` says so);
 - host overhead: on the CPU the idle time above; on a GPU the host's own time inside operators and kernel
   launches, without the time it spent waiting for the GPU (CUDA synchronize calls and copies, counted apart as
   `cpu_wait_s`); the step is host-bound when that overhead is larger than the GPU's busy time;
@@ -209,6 +212,7 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         overhead, measure = max(0.0, step_time - busy), "CPU operator self time"
         waited = None  # no device to wait for
     busy = min(busy, step_time)
+    overlap = _kernel_overlap(ops, busy, steps) if on_cuda else None
     tokens_per_s = run.train.global_batch_tokens / step_time
     # session.flops_per_token is the profiled stage's (skip_to_the_longest_stage)
     utilization = mfu(tokens_per_s, session.flops_per_token, rt.world_size, session.peak_flops)
@@ -228,7 +232,9 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         "cpu_wait_s": waited, "host_bound": bool(on_cuda and overhead > busy),
         "data_wait_s": data_wait, "data_wait_share": min(1.0, data_wait / step_time),
         "categories": _categories(ops, steps),
-        "top_ops": _top(ops, steps, opts.top),
+        "kernel_overlap": overlap, "streams": collected.get("streams") if on_cuda else None,
+        "overlap_note": _overlap_note(overlap, collected.get("streams") or []),
+        "top_ops": _top(ops, steps, opts.top, collected.get("launchers") if on_cuda else None),
         "peak_memory_bytes": session.memory.peak(),
         "peak_memory_measure": "peak reserved GPU memory plus the CUDA context" if on_cuda else "peak resident "
                                "memory of the process (Python, torch and the profiler incl.)",
@@ -248,10 +254,43 @@ def _categories(ops: list[tuple[str, str, float, int]], steps: int) -> list[dict
             for c, t in sorted(totals.items(), key=lambda item: -item[1])]
 
 
-def _top(ops: list[tuple[str, str, float, int]], steps: int, count: int) -> list[dict[str, Any]]:
+def _top(ops: list[tuple[str, str, float, int]], steps: int, count: int,
+         launchers: dict[str, dict[str, int]] | None) -> list[dict[str, Any]]:
     whole = sum(row[2] for row in ops) or 1.0
-    return [{"name": name[:160], "category": category, "seconds_per_step": micros * US / steps,
-             "share": micros / whole, "calls_per_step": calls / steps} for name, category, micros, calls in ops[:count]]
+    top = [{"name": short_kernel_name(name)[:160], "category": category, "seconds_per_step": micros * US / steps,
+            "share": micros / whole, "calls_per_step": calls / steps} for name, category, micros, calls in ops[:count]]
+    if launchers is not None:
+        for op, (name, *_) in zip(top, ops, strict=False):
+            by = launchers.get(name, {})
+            op["launched_by"] = max(by, key=by.__getitem__) if by else None
+    return top
+
+
+def short_kernel_name(name: str) -> str:
+    """A C++ kernel's name without the namespaces that make up most of it, so the part that tells kernels apart (the
+    functor of a `multi_tensor_apply_kernel`: LpNorm, a binary op) survives the cut to 160 characters."""
+    for noise in ("at::native::(anonymous namespace)::", "at::native::", "void "):
+        name = name.replace(noise, "")
+    return name
+
+
+# Kernels on one stream cannot overlap: their sum above the busy union by more than this is worth a word.
+OVERLAP_TOLERANCE = 1.05
+
+
+def _kernel_overlap(ops: list[tuple[str, str, float, int]], busy_s: float, steps: int) -> float | None:
+    """The kernels' summed time over the GPU's busy time (1.0: every kernel ran alone)."""
+    summed = sum(row[2] for row in ops) * US / steps
+    return summed / busy_s if busy_s > 0 else None
+
+
+def _overlap_note(overlap: float | None, streams: list) -> str | None:
+    if overlap is None or overlap <= OVERLAP_TOLERANCE:
+        return None
+    how = (f"they ran on {len(streams)} streams at once" if len(streams) > 1
+           else "they ran on one stream, so the profiler attributed some kernels twice")
+    return (f"the kernels' times add up to {overlap:.0%} of the GPU's busy time: {how}. The category shares are "
+            "of the summed kernel time, not of the step; read the trace before acting on them")
 
 
 def compile_report(compiled: bool) -> dict[str, Any]:

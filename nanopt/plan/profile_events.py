@@ -89,16 +89,20 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
     waits: self microseconds of every CUDA runtime call that waits for the device (device_wait).
     kernels: (name, category, microseconds) of every GPU kernel / copy, attributed through the CPU event that
     launched it. intervals: (start, end) of every device event, for the busy time. User annotations are in none.
+    launchers: for each kernel name, how many times each CPU event launched it; streams: the device streams that
+    ran kernels. Both say where a surprising kernel comes from, and whether kernels could overlap (kernel_overlap).
     """
     from torch.autograd import DeviceType
 
     events = list(prof.events())
     device = [e for e in events if e.device_type != DeviceType.CPU]
     annotations = {e.name for e in device if _is_annotation(e)}
-    intervals = [(e.time_range.start, e.time_range.end) for e in device
-                 if not e.is_async and e.name not in annotations]
+    work = [e for e in device if not e.is_async and e.name not in annotations]
+    intervals = [(e.time_range.start, e.time_range.end) for e in work]
+    streams = sorted({getattr(e, "device_resource_id", 0) for e in work})
     owners: dict[int, str | None] = {}
     host, kernels, waits = [], [], []
+    launchers: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for event in events:
         if event.device_type != DeviceType.CPU or event.is_async:
             continue
@@ -110,7 +114,9 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
         for kernel in event.kernels if on_cuda else ():
             if kernel.name not in annotations:
                 kernels.append((kernel.name, owner or _kernel_category(kernel.name, event), kernel.duration))
-    return {"host": host, "kernels": kernels, "intervals": intervals, "waits": waits}
+                launchers[kernel.name][event.name] += 1
+    return {"host": host, "kernels": kernels, "intervals": intervals, "waits": waits, "streams": streams,
+            "launchers": {name: dict(by) for name, by in launchers.items()}}
 
 
 def _is_annotation(event: Any) -> bool:
