@@ -16,8 +16,8 @@ SUMMARY_KEYS = {"run", "device", "precision", "tf32", "compiled", "world_size", 
                 "seq_len",
                 "tokens_per_step", "schedule", "step_time_s", "busy_s", "idle_s", "busy_share", "idle_share",
                 "busy_measure", "cpu_overhead_s", "cpu_overhead_share", "cpu_wait_s", "host_bound", "data_wait_s",
-                "data_wait_share", "categories", "kernel_overlap", "streams", "overlap_note", "top_ops",
-                "peak_memory_bytes", "peak_memory_measure",
+                "data_wait_share", "categories", "kernel_overlap", "streams", "kernels_listed_twice_per_step",
+                "notes", "top_ops", "peak_memory_bytes", "peak_memory_measure",
                 "tokens_per_s", "mfu", "peak_flops", "peak_source", "compile", "trace", "tensorboard_dir",
                 "summary_path"}
 
@@ -197,37 +197,15 @@ def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
     shares = {c["category"]: c["share"] for c in s["categories"]}
     assert shares["matmul"] == pytest.approx(200 / 310) and shares["other"] == 0
     # One stream, each kernel once: the kernels' sum is the busy time, and nothing is said about overlap.
-    assert s["kernel_overlap"] == pytest.approx(1.0) and s["overlap_note"] is None
+    assert s["kernel_overlap"] == pytest.approx(1.0) and s["notes"] == []
 
 
-def test_cuda_summary_says_when_kernels_add_up_to_more_than_the_busy_time():
-    """The first 1B Llama profile on an H100 put 47% of the kernel time in the optimizer while its kernels added up to
-    176% of the GPU's busy time: shares of a sum that no single stream can reach. The summary must say so, and name
-    the operator that launched each top kernel, rather than let the table read as the step's split."""
+def _cuda_summary(events: list, step_us: float) -> dict:
+    """summarize() of synthetic CUDA profiler events, for one active step of `step_us` microseconds."""
     from types import SimpleNamespace
 
-    from torch.autograd import DeviceType
+    from nanopt.plan.profile import ProfileOptions, summarize
 
-    from nanopt.plan.profile import ProfileOptions, short_kernel_name, summarize
-
-    def cpu(name: str, parent=None, kernels=()):
-        return SimpleNamespace(name=name, self_cpu_time_total=5, cpu_parent=parent, device_type=DeviceType.CPU,
-                               is_async=False, kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
-
-    def gpu(name: str, start: float, end: float):
-        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_async=False, is_user_annotation=False,
-                               time_range=SimpleNamespace(start=start, end=end), device_resource_id=7)
-
-    gemm = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
-    norm = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
-            "TensorListMetadata<1>, at::native::LpNormFunctor<float, (at::native::NormType)1, float, float>, "
-            "float*, int>")
-    clip = cpu("aten::_foreach_norm", kernels=[(norm, 300)])
-    # The same 300 us kernel listed under two CPU events: on the GPU timeline it ran once.
-    events = [cpu("aten::mm", kernels=[(gemm, 400)]), clip, cpu("aten::linalg_vector_norm", clip, [(norm, 300)]),
-              gpu(gemm, 0, 400), gpu(norm, 400, 700)]
-    collected = collect(SimpleNamespace(events=lambda: events), on_cuda=True)
-    assert collected["streams"] == [7]
     train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
                             micro_batch_size=2, seq_len_stages=None)
     session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
@@ -235,16 +213,86 @@ def test_cuda_summary_says_when_kernels_add_up_to_more_than_the_busy_time():
                                                  world_size=1),
                               flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
                               memory=SimpleNamespace(peak=lambda: 1 << 30))
-    s = summarize(session, ProfileOptions(active=1, top=5), collected, [800e-6], [0.0], compiled=False)
-    assert s["busy_s"] == pytest.approx(700e-6)
-    assert s["kernel_overlap"] == pytest.approx(1000 / 700)
-    assert "143% of the GPU's busy time" in s["overlap_note"] and "attributed some kernels twice" in s["overlap_note"]
+    collected = collect(SimpleNamespace(events=lambda: events), on_cuda=True)
+    return summarize(session, ProfileOptions(active=1, top=5), collected, [step_us * 1e-6], [0.0], compiled=False)
+
+
+def _cpu_event(name: str, parent=None, kernels=()):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    return SimpleNamespace(name=name, self_cpu_time_total=5, cpu_parent=parent, device_type=DeviceType.CPU,
+                           is_async=False, kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+
+
+def _gpu_event(name: str, start: float, end: float, stream: int = 7):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_async=False, is_user_annotation=False,
+                           time_range=SimpleNamespace(start=start, end=end), device_resource_id=stream)
+
+
+GEMM = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
+LPNORM = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+          "TensorListMetadata<1>, at::native::LpNormFunctor<float, (at::native::NormType)1, float, float>, "
+          "float*, int>")
+
+
+def test_cuda_summary_counts_a_kernel_listed_under_two_operators_once():
+    """The first 1B Llama profile on an H100 put 47% of the kernel time in the optimizer while its kernels added up to
+    176% of the GPU's busy time: the profiler lists a kernel under every CPU event that carries its correlation id,
+    and those ids can collide. The summary counts each kernel once, at its time on the device, says how many
+    launches were listed twice, and names the operator that launched each top kernel."""
+    from nanopt.plan.profile import short_kernel_name
+
+    clip = _cpu_event("aten::_foreach_norm", kernels=[(LPNORM, 300)])
+    # The same 300 us kernel listed under two CPU events: on the GPU timeline it ran once.
+    events = [_cpu_event("aten::mm", kernels=[(GEMM, 400)]), clip,
+              _cpu_event("aten::linalg_vector_norm", clip, [(LPNORM, 300)]),
+              _gpu_event(GEMM, 0, 400), _gpu_event(LPNORM, 400, 700)]
+    s = _cuda_summary(events, 800)
+    assert s["busy_s"] == pytest.approx(700e-6) and s["streams"] == [7]
+    seconds = {c["category"]: c["seconds_per_step"] for c in s["categories"]}
+    assert seconds["optimizer"] == pytest.approx(300e-6) and seconds["matmul"] == pytest.approx(400e-6)
+    assert s["kernel_overlap"] == pytest.approx(1.0)
+    assert s["kernels_listed_twice_per_step"] == 1
+    assert len(s["notes"]) == 1 and "listed 1 kernel launches per step under more than one operator" in s["notes"][0]
     top = {op["name"]: op for op in s["top_ops"]}
-    assert top[short_kernel_name(norm)]["launched_by"] in {"aten::_foreach_norm", "aten::linalg_vector_norm"}
-    assert top[gemm]["launched_by"] == "aten::mm"
+    assert top[short_kernel_name(LPNORM)]["calls_per_step"] == 1
+    assert top[short_kernel_name(LPNORM)]["launched_by"] in {"aten::_foreach_norm", "aten::linalg_vector_norm"}
+    assert top[GEMM]["launched_by"] == "aten::mm"
     # The functor that tells one foreach kernel from another is kept, the namespaces around it are not.
-    assert short_kernel_name(norm) == ("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, "
-                                       "(NormType)1, float, float>, float*, int>")
+    assert short_kernel_name(LPNORM) == ("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, "
+                                         "(NormType)1, float, float>, float*, int>")
+
+
+def test_cuda_summary_says_when_kernels_on_two_streams_overlap():
+    """Kernels on two streams at once (a side stream's copy under a matmul): their times add up to more than the
+    busy union, and the summary says its shares are of that sum."""
+    copy = "Memcpy HtoD (Pinned -> Device)"
+    events = [_cpu_event("aten::mm", kernels=[(GEMM, 400)]), _cpu_event("aten::copy_", kernels=[(copy, 200)]),
+              _gpu_event(GEMM, 0, 400, stream=7), _gpu_event(copy, 100, 300, stream=9)]
+    s = _cuda_summary(events, 500)
+    assert s["busy_s"] == pytest.approx(400e-6) and s["streams"] == [7, 9]
+    assert s["kernel_overlap"] == pytest.approx(1.5) and s["kernels_listed_twice_per_step"] == 0
+    assert s["notes"] == ["kernels ran on 2 streams at once: their times add up to 150% of the GPU's busy time, and "
+                          "the category shares are of that sum, not of the step"]
+
+
+def test_a_kernel_inside_the_optimizer_step_and_outside_it_is_split_between_them():
+    """A generic kernel (an elementwise template) launched inside the optimizer step and outside it: its time on the
+    device is split between the two categories as its launches were."""
+    add = "vectorized_elementwise_kernel<4, AddFunctor<float>>"
+    adamw = _cpu_event("Optimizer.step#AdamW.step")
+    events = [adamw, _cpu_event("aten::add_", adamw, [(add, 10)]), _cpu_event("aten::add", kernels=[(add, 10)]),
+              _cpu_event("aten::add", kernels=[(add, 10)]), _gpu_event(add, 0, 100), _gpu_event(add, 100, 160),
+              _gpu_event(add, 160, 300)]
+    s = _cuda_summary(events, 300)
+    seconds = {c["category"]: c["seconds_per_step"] for c in s["categories"]}
+    assert seconds["optimizer"] == pytest.approx(100e-6) and seconds["elementwise/norm/activation"] == pytest.approx(
+        200e-6)
+    assert s["notes"] == [] and s["kernels_listed_twice_per_step"] == 0
 
 
 @pytest.mark.parametrize(("name", "waits"), [

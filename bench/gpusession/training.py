@@ -246,7 +246,8 @@ def step_profile(ctx: Context, name: str = "gpt2-small", micro: int | None = Non
                   idle_share=summary.get("idle_share"), host_bound=summary.get("host_bound"),
                   cpu_overhead_share=summary.get("cpu_overhead_share"),
                   compile=summary.get("compile"), kernel_overlap=summary.get("kernel_overlap"),
-                  streams=summary.get("streams"),
+                  streams=summary.get("streams"), listed_twice=summary.get("kernels_listed_twice_per_step"),
+                  notes=summary.get("notes"),
                   top_ops=[{"name": op["name"][:60], "launched_by": op.get("launched_by")}
                            for op in summary.get("top_ops", [])[:8]])
     append_record(ctx.out, record)

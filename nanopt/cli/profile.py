@@ -103,8 +103,8 @@ def render(s: dict[str, Any]) -> None:
     out = console()
     out.print(_overview(s))
     out.print(_categories(s))
-    if s.get("overlap_note"):
-        out.print(f"[yellow]note:[/] {escape(s['overlap_note'])}")
+    for note in s.get("notes") or ():
+        out.print(f"[yellow]note:[/] {escape(note)}")
     out.print(_top(s))
 
 

@@ -12,9 +12,10 @@ are summarized:
   profiler itself are the idle rest);
 - the operators (CPU) or kernels (GPU) with the most self time, and their shares grouped into categories; what
   runs inside an optimizer step, a collective, an attention call or a loader wait counts for that category. On a
-  GPU each top kernel names the operator that launched it (`launched_by`), and `kernel_overlap` is the kernels'
-  summed time over the busy time: above 1, kernels ran on several streams at once or the profiler attributed some
-  twice, and the shares are of the summed kernel time, not of the step (`overlap_note` says so);
+  GPU each kernel is counted once, at its time on the device timeline (nanopt.plan.profile_events.timeline_kernels),
+  each top kernel names the operator that launched it (`launched_by`), and `kernel_overlap` is the kernels' summed
+  time over the busy time: above 1, kernels ran on several streams at once, and the shares are of that sum, not of
+  the step (`notes` says so, and when the profiler listed kernels under more than one operator);
 - host overhead: on the CPU the idle time above; on a GPU the host's own time inside operators and kernel
   launches, without the time it spent waiting for the GPU (CUDA synchronize calls and copies, counted apart as
   `cpu_wait_s`); the step is host-bound when that overhead is larger than the GPU's busy time;
@@ -39,7 +40,7 @@ from nanopt.errors import ConfigError
 from nanopt.files import check_run_dir, copy_file, make_dir, replacing
 from nanopt.model.flops import mfu, mfu_note
 from nanopt.parsing import check_option, save_json
-from nanopt.plan.profile_events import CATEGORIES, DATA_WAIT_LABEL, aggregate, collect, union_us
+from nanopt.plan.profile_events import CATEGORIES, DATA_WAIT_LABEL, aggregate, collect, timeline_kernels, union_us
 from nanopt.rundir import RunDir
 
 TRACE_FILE = "trace.json"
@@ -201,8 +202,9 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
     on_cuda = rt.device.type == "cuda"
     host_ops = aggregate(collected.get("host", []))
     host_time = sum(row[2] for row in host_ops) * US / steps
+    listed_twice = 0
     if on_cuda:
-        ops = aggregate(collected.get("kernels", []))
+        ops, listed_twice = timeline_kernels(collected.get("kernels", []), collected.get("timeline", []))
         busy = union_us(collected.get("intervals", [])) * US / steps
         overhead, measure = host_time, "GPU kernels and copies (union of their intervals)"
         waited: float | None = sum(collected.get("waits", [])) * US / steps
@@ -233,7 +235,8 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         "data_wait_s": data_wait, "data_wait_share": min(1.0, data_wait / step_time),
         "categories": _categories(ops, steps),
         "kernel_overlap": overlap, "streams": collected.get("streams") if on_cuda else None,
-        "overlap_note": _overlap_note(overlap, collected.get("streams") or []),
+        "kernels_listed_twice_per_step": listed_twice / steps if on_cuda else None,
+        "notes": _kernel_notes(overlap, collected.get("streams") or [], listed_twice / steps),
         "top_ops": _top(ops, steps, opts.top, collected.get("launchers") if on_cuda else None),
         "peak_memory_bytes": session.memory.peak(),
         "peak_memory_measure": "peak reserved GPU memory plus the CUDA context" if on_cuda else "peak resident "
@@ -284,13 +287,17 @@ def _kernel_overlap(ops: list[tuple[str, str, float, int]], busy_s: float, steps
     return summed / busy_s if busy_s > 0 else None
 
 
-def _overlap_note(overlap: float | None, streams: list) -> str | None:
-    if overlap is None or overlap <= OVERLAP_TOLERANCE:
-        return None
-    how = (f"they ran on {len(streams)} streams at once" if len(streams) > 1
-           else "they ran on one stream, so the profiler attributed some kernels twice")
-    return (f"the kernels' times add up to {overlap:.0%} of the GPU's busy time: {how}. The category shares are "
-            "of the summed kernel time, not of the step; read the trace before acting on them")
+def _kernel_notes(overlap: float | None, streams: list, listed_twice: float) -> list[str]:
+    """What to know before reading the category table of a GPU profile (nothing, usually)."""
+    notes = []
+    if overlap is not None and overlap > OVERLAP_TOLERANCE:
+        notes.append(f"kernels ran on {len(streams)} streams at once: their times add up to {overlap:.0%} of the "
+                     "GPU's busy time, and the category shares are of that sum, not of the step")
+    if listed_twice >= 1:
+        notes.append(f"the profiler listed {listed_twice:,.0f} kernel launches per step under more than one "
+                     "operator (colliding correlation ids); each kernel is counted once, at its time on the GPU, "
+                     "and `launched_by` may name the wrong operator for those")
+    return notes
 
 
 def compile_report(compiled: bool) -> dict[str, Any]:

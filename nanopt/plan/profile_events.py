@@ -87,8 +87,9 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
 
     host: (name, category, self microseconds) of every CPU event but the per-step frame and the waits.
     waits: self microseconds of every CUDA runtime call that waits for the device (device_wait).
-    kernels: (name, category, microseconds) of every GPU kernel / copy, attributed through the CPU event that
-    launched it. intervals: (start, end) of every device event, for the busy time. User annotations are in none.
+    kernels: (name, category, microseconds) of every GPU kernel / copy as the CPU events that launched it list it
+    (see timeline_kernels). timeline: (name, microseconds) of every kernel / copy as it ran on the device, once.
+    intervals: (start, end) of every device event, for the busy time. User annotations are in none.
     launchers: for each kernel name, how many times each CPU event launched it; streams: the device streams that
     ran kernels. Both say where a surprising kernel comes from, and whether kernels could overlap (kernel_overlap).
     """
@@ -116,7 +117,8 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
                 kernels.append((kernel.name, owner or _kernel_category(kernel.name, event), kernel.duration))
                 launchers[kernel.name][event.name] += 1
     return {"host": host, "kernels": kernels, "intervals": intervals, "waits": waits, "streams": streams,
-            "launchers": {name: dict(by) for name, by in launchers.items()}}
+            "launchers": {name: dict(by) for name, by in launchers.items()},
+            "timeline": [(e.name, e.time_range.end - e.time_range.start) for e in work]}
 
 
 def _is_annotation(event: Any) -> bool:
@@ -184,6 +186,33 @@ def aggregate(rows: list[tuple[str, str, float]]) -> list[tuple[str, str, float,
         totals[(name, category)][0] += micros
         totals[(name, category)][1] += 1
     return sorted(((n, c, t, int(k)) for (n, c), (t, k) in totals.items()), key=lambda row: -row[2])
+
+
+def timeline_kernels(listed: list[tuple[str, str, float]],
+                     timeline: list[tuple[str, float]]) -> tuple[list[tuple[str, str, float, float]], int]:
+    """The kernels as the device ran them, each once, split between categories as the CPU events that launched them
+    say: (name, category, microseconds, calls) rows like aggregate's, largest first, and how many listings there were
+    beyond the kernels that ran.
+
+    The profiler links a kernel to every CPU event that carries its correlation id, and those ids can collide
+    (pytorch/pytorch#124388): one kernel is then listed under several events, and summing the listings counts it
+    several times over (the first 1B Llama profile on an H100 summed its kernels to 176% of the GPU's busy time).
+    So time and calls come from the device timeline; the listings only give each kernel name's categories, in
+    proportion to how often each was claimed (a kernel inside the optimizer step and the same kernel outside it)."""
+    ran: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, micros in timeline:
+        ran[name][0] += micros
+        ran[name][1] += 1
+    claims: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for name, category, _ in listed:
+        claims[name][category] += 1
+    rows, extra = [], 0
+    for name, (micros, calls) in ran.items():
+        by = claims.get(name) or {_kernel_category(name, None): 1}
+        whole = sum(by.values())
+        extra += max(0, whole - int(calls))
+        rows += [(name, category, micros * count / whole, calls * count / whole) for category, count in by.items()]
+    return sorted(rows, key=lambda row: -row[2]), extra
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
