@@ -33,6 +33,14 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) ->
                          float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
 
 
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """fp32 cos and sin of every position's angles, [max_position_embeddings, head_dim / 2] each: the model keeps
+    them as buffers and reads the rows it needs (Transformer.rope_at)."""
+    positions = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
+    angles = positions[:, None] * rope_inv_freq(cfg, device)
+    return angles.cos(), angles.sin()
+
+
 def llama3_scaled(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                   original_context: int) -> Tensor:
     """Llama 3's scaling of the inverse frequencies `inv_freq` (see the module docstring)."""

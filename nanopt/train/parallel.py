@@ -94,8 +94,11 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     if rt.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
+        # broadcast_buffers=False: the only buffers are llama's RoPE tables, the same on every rank by construction;
+        # DDP's default would broadcast them from rank 0 before every forward, every micro-batch.
         ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_cap_mb(model))
+                                      gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_cap_mb(model),
+                                      broadcast_buffers=False)
         wrapped = ddp
     if compiled:
         # One graph for the model and its loss. Static shapes: a new batch shape (an evaluation's) gets a graph of
