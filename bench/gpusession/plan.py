@@ -63,9 +63,8 @@ STEPS = (
     # The third window's took 31.2 s of a 31 s budget: its graph compiled in 23.6 s, not the cache's 9-11.
     Step("profile", ("profile:gpt2-small",), ("cached",), 19, 20, needs_data=True),
     # The tests' own processes compile (tiny models); 15 tests, two compiled find-batch searches among them: 146 s in
-    # the first window, and the second's 12 passed in 123 s before the find-batch tests; the third's 15 took 273 s,
-    # in what the steps before them left. Last in every plan on
-    # purpose: it also takes whatever the steps before it left.
+    # the first window, and the second's 12 passed in 123 s before the find-batch tests; the third's 15 took 273 s.
+    # Last in every plan on purpose: it also takes whatever the steps before it left.
     Step("gpu-tests", ("gpu-tests",), ("tiny",), 120, 20, countable=False),
     # A 16-layer model compiled twice; each side freed before the next is built (14 s of work measured).
     Step("throughput-llama", ("llama-1b",), ("cold-1b", "cold-1b"), 35, 60),  # and at accumulation 8
