@@ -1,6 +1,7 @@
 """`nanopt find-batch` on GPT-2 small: the eager search (its trials in one process: the 2-minute target) against
 `nanopt estimate`'s prediction for this card's memory, then one compiled trial timed, and what the default
-compiled search (a fresh process and a cold compilation per trial) would cost at that rate.
+compiled search (a fresh process and a cold compilation per trial) would cost at that rate; and that default
+search itself, as a person on a GPU runs it (step find-batch-compiled).
 """
 
 from __future__ import annotations
@@ -116,3 +117,22 @@ def _compiled_trial(ctx: Context, run: str, eager_trials: int, eager: dict[str, 
     append_record(ctx.out, record)
     if code != 0:
         raise SystemExit(f"the compiled find-batch trial failed (exit {code})")
+
+
+def step_find_batch_compiled(ctx: Context) -> None:
+    """The default search on a GPU, timed whole against the 2-minute target: compiled (the GPU's default), a process
+    and a compilation per trial, the memory model's start. A smoke run keeps its trials in this process, where
+    torch.compile has the smoke's codeless backend (a trial process would compile C++ for minutes)."""
+    run = str(preset(ctx, "gpt2-small"))
+    smoke = ["--max-memory", "4GiB", "--set", "compile=true", "--isolation", "in-process"] if ctx.smoke else []
+    args = ["find-batch", run, "--json", "--max", "8" if ctx.smoke else "1024", "--timeout", "120", *smoke]
+    code, found, seconds = _timed(args)
+    record = base_record(ctx, "find-batch-compiled:gpt2-small", _shown(args, run))
+    record.update(compile=True, seconds=round(seconds, 2), within_target=seconds <= TARGET_S,
+                  status="ok" if code == 0 else f"failed (exit {code})")
+    if found is not None:
+        record.update(_search_fields(found), isolation=found.get("isolation"),
+                      trial_seconds=[t.get("step_time_s") for t in found.get("trials", [])])
+    append_record(ctx.out, record)
+    if code != 0:
+        raise SystemExit(f"the compiled find-batch search failed (exit {code})")

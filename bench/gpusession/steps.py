@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpusession.comparisons import step_fp8, step_muon
-from gpusession.find_batch import step_find_batch
+from gpusession.find_batch import step_find_batch, step_find_batch_compiled
 from gpusession.gputests import step_gpu_tests
 from gpusession.health import step_health
 from gpusession.preflight import step_data, step_preflight
@@ -35,4 +35,5 @@ WORKERS: dict[str, Callable[[Context], None]] = {
                                                       timed_micro=32, rounds=2, preset_name="gpt2-small"),
     "muon": step_muon,
     "health": step_health,
+    "find-batch-compiled": step_find_batch_compiled,
 }
