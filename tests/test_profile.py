@@ -362,3 +362,9 @@ def test_gpu_profile_with_compile(tmp_path: Path, tiny_dataset: Path):
     assert s["compile"]["enabled"] and s["compile"]["graphs"] >= 1
     shares = {c["category"]: c["share"] for c in s["categories"]}
     assert shares["matmul"] > 0 and sum(shares.values()) == pytest.approx(1.0)
+    # Each kernel once, from the device timeline: on nanopt's one stream the kernels add up to the busy time (the
+    # third H100 window's 1B profile summed the profiler's listings to 176% of it), and the top kernels name the
+    # operators that launched them.
+    kernel_s = sum(c["seconds_per_step"] for c in s["categories"])
+    assert kernel_s <= s["busy_s"] * 1.05 and s["kernel_overlap"] <= 1.05, (kernel_s, s["busy_s"], s["streams"])
+    assert any(op["launched_by"] for op in s["top_ops"]) and s["kernels_listed_twice_per_step"] >= 0
