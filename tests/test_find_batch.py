@@ -311,6 +311,21 @@ def test_only_sizes_that_divide_the_global_batch_are_searched():
     assert usable_micro_batches(train, seq_len=256, world_size=2, maximum=10) == [1, 2, 3, 4, 6, 8]
 
 
+def test_from_a_prediction_the_search_steps_to_the_next_usable_size_not_past_it():
+    """The third H100 window: the memory model predicted 188 sequences of GPT-2 small, the usable sizes were the
+    powers of two, 128 fit and 256 did not. Steps of 25% from 128 reach 256; the search stepped in positions
+    instead (8 x 1.25 = 10) and tried 512 before 256, one trial more, each a compilation on a GPU."""
+    from nanopt.plan.find_batch.search import PREDICTED_GROWTH, search_among
+
+    sizes = [2**i for i in range(11)]
+    assert search_among(lambda size: size <= 150, sizes, start=188, growth=PREDICTED_GROWTH) == (128, [128, 256])
+    # A step lands on the usable size nearest 25% more, not the first one past it: 24 -> 32 -> 48 (not 96).
+    divisors = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    assert search_among(lambda size: size <= 40, divisors, start=30, growth=PREDICTED_GROWTH) == (32, [24, 32, 48])
+    # Without a prediction, doubling: one power of two at a time up to the first failure.
+    assert search_among(lambda size: size <= 150, sizes, start=1)[1] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
 def test_a_global_batch_no_micro_batch_divides_is_refused_before_any_trial(tmp_path: Path, tiny_dataset: Path,
                                                                           cli_on_cpu):
     run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=100)  # seq_len 16: 6.25 sequences
