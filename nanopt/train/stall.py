@@ -7,7 +7,7 @@ answering, a read from a stalled network filesystem, or a deadlock do not. Each 
 beats after every step, and before and after every evaluation and checkpoint. A daemon thread checks it, and once
 the heartbeat is older than the timeout it reports once per stall:
 
-- every rank writes the Python stacks of all its threads to RUN/stall-rank{R}.txt. This is where the rank waits,
+- every rank writes the Python stacks of all its threads to RUN/stalls/rank-R.txt. This is where the rank waits,
   and it tells a rank stuck in a collective (a peer is the problem) from the rank that is stuck elsewhere;
 - rank 0 also records a `stall` event in metrics.jsonl (step, phase, seconds without progress), prints a warning,
   and runs the --on-event command with NANOPT_EVENT=stall, so a notification or a restart can follow.
