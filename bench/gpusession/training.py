@@ -24,7 +24,7 @@ from gpusession.presets import (
     settings_args,
     train_losses,
 )
-from gpusession.records import Context, append_record, base_record, gib, read_jsonl
+from gpusession.records import REPO, Context, append_record, base_record, gib, read_jsonl
 
 # The agreement bf16 + compile must show with the fp32 reference over the same steps and data (bench/RESULTS.md):
 # bf16 rounds each matmul input to 8 bits of mantissa (relative 2^-8 = 0.4%), so the two runs follow slightly
@@ -228,8 +228,13 @@ def step_profile(ctx: Context, name: str = "gpt2-small", micro: int | None = Non
     run = preset(ctx, name)
     micro = gpt2_micro(ctx) if micro is None or ctx.smoke else micro
     trace = ctx.work / f"profile-{name}"
+    # The preset's own log interval, not the scratch copy's 1: at 1 every profiled step ran run health's probe (a copy
+    # of the weights and four norms over them: by its bytes about 4% of the 1B's step, a tenth of that at 10),
+    # which the third window's 1B profile counted as optimizer time.
+    logs = json.loads((REPO / PRESETS[name] / "train.json").read_text()).get("log_interval", 10)
     args = ["profile", str(run), "--json", "--no-tensorboard", "--out", str(trace), "--set", "compile=true",
-            "--set", f"micro_batch_size={micro}", "--set", f"global_batch_tokens={micro * seq_len(run)}"]
+            "--set", f"micro_batch_size={micro}", "--set", f"global_batch_tokens={micro * seq_len(run)}",
+            "--set", f"log_interval={logs}"]
     code, stdout = run_nanopt(*args)
     command = shlex.join(["nanopt", *args]).replace(str(run), PRESETS[name]).replace(str(trace), "OUT/profile")
     record = base_record(ctx, f"profile:{name}", command)
