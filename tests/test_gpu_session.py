@@ -192,6 +192,7 @@ def test_memory_find_batch_bf16_profile_tests_and_resume_report_their_measuremen
     assert "eval_interval=0" in curves["command"]  # no evaluation graph the budget does not count
     [profile] = by["profile:gpt2-small"]
     assert profile["status"] == "ok" and {"matmul", "attention", "optimizer"} <= set(profile["categories"])
+    assert "log_interval=10" in profile["command"]  # the preset's: no health probe in the profiled steps
     [tests] = by["gpu-tests"]
     assert tests["status"] == "ok" and tests["skipped"] >= 1 and "-m 'gpu'" in tests["command"]
     [resumed] = by["resume:gpt2-small"]
@@ -236,6 +237,7 @@ def test_health_profile_llama_and_micro_batch_64_report_their_measurements(smoke
     assert health["health_share"] == pytest.approx(health["monitor_share"] + health["probe_share"], abs=2e-6)
     [profile] = by["profile:llama-1b"]
     assert profile["status"] == "ok" and {"matmul", "attention", "optimizer"} <= set(profile["categories"])
+    assert "log_interval=10" in profile["command"]  # the preset's: no health probe in the profiled steps
     assert profile["cpu_overhead_share"] is not None and profile["command"].startswith("nanopt profile runs/llama")
     assert json.loads((smoke.out / "profile_llama.json").read_text())["categories"]
     rows = by["gpt2-small:micro64"]
