@@ -276,12 +276,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side; the best counts")
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
                         help="baselines to measure beside nanopt (none: nanopt alone)")
+    parser.add_argument("--fp8", choices=["off", "head", "all"], default=None,
+                        help="nanopt's train.json fp8 (default: the run's); the baselines stay bf16")
     args = parser.parse_args()
 
     run = load_run(args.run)
     micro_batch = args.micro_batch or run.train.micro_batch_size
     compile_setting = {"auto": run.train.compile, "on": True, "off": False}[args.compile]
     run = with_shape(run, micro_batch, compile_setting)
+    if args.fp8 is not None:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, fp8=args.fp8))
     rt = init_runtime(run.train.precision)
     peak_flops, peak_source = device_peak_flops(rt.device, rt.precision)
     fpt = flops_per_token(run.model, run.seq_len)

@@ -29,7 +29,7 @@ COMMIT = "c0ffee1"
 WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", "memory:llama-1b",
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",
              "resume:gpt2-small", "fp8:gpt2-small", "profile:llama-1b", "gpt2-small:micro64", "muon:gpt2-small",
-             "health:gpt2-small", "muon-step:gpt2-small", "find-batch-compiled:gpt2-small")
+             "health:gpt2-small", "muon-step:gpt2-small", "find-batch-compiled:gpt2-small", "llama-1b:fp8")
 OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "profile_llama.json",
              "gpu_tests.txt"}
 MAX_OUT_FILES = 8  # what comes back from the GPU machine
@@ -180,6 +180,8 @@ def test_memory_find_batch_bf16_profile_tests_and_resume_report_their_measuremen
     assert eager["compile"] is False and "--max 8" in eager["command"] and eager["seconds"] > 0
     assert compiled["status"] == "ok" and compiled["compile"] is True and compiled["fits"] is True
     assert compiled["projected_default_search_s"] is not None  # from the throughput step's cold compile
+    [fp8] = by["llama-1b:fp8"]  # torchao is blocked here, as on a machine without it: a skip, nothing started
+    assert fp8["status"] == "skipped: torchao not installed" and fp8["fp8"] == "all" and "--fp8 all" in fp8["command"]
     [default] = by["find-batch-compiled:gpt2-small"]  # the default compiled search, whole
     assert default["status"] == "ok" and default["compile"] is True and default["micro_batch"] >= 1
     assert default["seconds"] > 0 and default["within_target"] is (default["seconds"] <= 120)

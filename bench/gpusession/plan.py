@@ -89,6 +89,9 @@ STEPS = (
     # a process of its own compiling its shape cold; its trials' graphs are out of the session's sight.
     Step("find-batch-compiled", ("find-batch-compiled:gpt2-small",), ("cold", "cold", "cold"), 40, 60,
          needs_data=True, countable=False),
+    # The 1B with fp8 "all", nanopt alone, at 1 and 8 micro-batches a step: one graph, its casts and scales on top of
+    # the bf16 graph's work (GPT-2's FP8 head graph compiled in 39 s against 14 s cached): two cold-1b for one.
+    Step("throughput-llama-fp8", ("llama-1b:fp8",), ("cold-1b", "cold-1b"), 30, 60),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -98,9 +101,9 @@ PLANS = {
                "gpu-tests"),
     # The fourth window's (bench/RESULTS.md, "Queue"), most important first: the 1B's profile with each kernel
     # counted once (the third's listed foreach kernels several times over), the 1B against its baseline with RoPE
-    # read from tables, GPT-2 against its baseline and its profile, then the GPU tests (the third's took 273 s;
-    # they get what the steps before leave: about 270 s if those take what they took in the third window).
-    "next": ("preflight", "data", "profile-llama", "throughput-llama", "throughput-gpt2", "profile", "gpu-tests"),
+    # read from tables, the 1B with fp8 "all" (torchao carried to the machine), then the GPU tests (the third's
+    # took 273 s; they get what the steps before leave). GPT-2's figures stand from the third window.
+    "next": ("preflight", "data", "profile-llama", "throughput-llama", "throughput-llama-fp8", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

@@ -25,7 +25,7 @@ from gpusession.records import Context, append_record, base_record
 ENV_KEYS = ("PYTORCH_ALLOC_CONF", "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", "TORCH_LOGS",
             "PYTORCH_NVML_BASED_CUDA_CHECK")
 PACKAGES = ("torch", "triton", "numpy", "typer", "rich", "tokenizers", "safetensors", "pytest", "hypothesis",
-            "transformers", "datasets")
+            "transformers", "datasets", "torchao")
 ATTENTION_WORDS = ("scaled_dot_product", "flash", "fmha", "cudnn", "attention", "sdpa")
 
 

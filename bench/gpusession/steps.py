@@ -10,7 +10,7 @@ from gpusession.gputests import step_gpu_tests
 from gpusession.health import step_health
 from gpusession.preflight import step_data, step_preflight
 from gpusession.records import Context
-from gpusession.throughput import step_memory, step_throughput
+from gpusession.throughput import step_memory, step_throughput, step_throughput_fp8
 from gpusession.training import step_bf16_vs_fp32, step_profile, step_resume
 
 WORKERS: dict[str, Callable[[Context], None]] = {
@@ -36,4 +36,6 @@ WORKERS: dict[str, Callable[[Context], None]] = {
     "muon": step_muon,
     "health": step_health,
     "find-batch-compiled": step_find_batch_compiled,
+    # The 1B with fp8 "all" (torchao carried to the machine), beside throughput-llama's bf16 figures.
+    "throughput-llama-fp8": step_throughput_fp8,
 }

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpusession.presets import PRESETS, preset
-from gpusession.records import Context, append_record, base_record, gib
+from gpusession.records import Context, append_record, base_record, gib, read_records
 
 BASELINE = "nanogpt-compiled"  # the honest baseline; the eager one is bench_train.py's, when time allows
 
@@ -213,6 +213,61 @@ def _comparison(b: _Bench, accum: int, measured: dict[str, dict[int, list[Any]]]
     problems = [f"{name} {why}" for name, why in failed.items()]
     record["status"] = "ok" if not problems else "; ".join(problems)
     return record
+
+
+# ------------------------------------------------------------------------------------------------ FP8
+
+
+def step_throughput_fp8(ctx: Context, preset_name: str = "llama-1b", wanted_micro: int = 8, accum_cap: int = 8,
+                        timed_micro: int = 16) -> None:
+    """nanopt with train.json's `fp8` "all" (the head in FP8, and the block linears torchao's measurements favour,
+    through its float8 training), compiled, at the throughput shape; its tokens/s and MFU (against the BF16 peak,
+    as nanopt reports it) beside this call's bf16 records of the same preset (step throughput-llama before it):
+    `speedup` over nanopt in bf16, `ratio` over the baseline. Throughput only: the loss against bf16 is the `fp8`
+    step's, on GPT-2. Without torchao, or where nanopt refuses FP8 (the CPU), a `skipped: ...` record."""
+    from bench_train import build_side, measure
+
+    from gpusession.comparisons import torchao_installed
+    from nanopt.devices import MemoryProbe
+    from nanopt.errors import NanoptError
+    from nanopt.train.fp8 import check_fp8
+
+    workload = f"{preset_name}:fp8"
+    b = _setup(ctx, workload, preset_name, wanted_micro, accum_cap, timed_micro)
+    run = dataclasses.replace(b.run, train=dataclasses.replace(b.run.train, fp8="all"))
+    command = b.command(1).replace(f"--baselines {BASELINE}", "--baselines") + " --fp8 all"
+    if not torchao_installed():
+        append_record(ctx.out, b.record("fp8-all", command, fp8="all", status="skipped: torchao not installed"))
+        return
+    try:
+        check_fp8(run, b.rt.device, b.rt.precision, compiled=True)
+    except NanoptError as exc:
+        line = str(exc).replace(str(b.run.run_dir), PRESETS[preset_name])
+        append_record(ctx.out, b.record("fp8-all", command, fp8="all", status=f"skipped: nanopt refused it: {line}"))
+        return
+    probe = MemoryProbe(b.rt.device)
+    backend = "inductor" if b.rt.device.type == "cuda" else "eager"
+    try:
+        results = measure(build_side("nanopt", run, b.rt, backend), b.plan.accums, b.plan.warmup, b.plan.steps_at,
+                          probe, b.rt.device)
+    except Exception as exc:  # noqa: BLE001 (an OOM or a failure is the record)
+        traceback.print_exc()
+        why = "oom" if is_oom(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        append_record(ctx.out, b.record("fp8-all", command, fp8="all", status=why))
+        return
+    bf16 = {r.get("accumulation"): r for r in read_records(ctx.out)
+            if r.get("workload") == preset_name and r.get("side") == "comparison"}
+    steady = results[0].seconds_per_step
+    for m in results:
+        same = bf16.get(m.accum, {})
+        ours, theirs = same.get("tokens_per_s"), same.get("baseline_tokens_per_s")
+        compile_s = None if m.warmup_s is None else round(max(0.0, m.warmup_s - b.plan.warmup * steady), 2)
+        append_record(ctx.out, b.record(
+            "fp8-all", command, fp8="all", accumulation=m.accum, tokens_per_s=round(m.tokens_per_s, 1),
+            mfu=b.mfu(m.tokens_per_s), step_s=round(m.seconds_per_step, 5), peak_memory_gib=gib(m.peak_bytes),
+            compile_s=compile_s, bf16_tokens_per_s=ours, baseline=BASELINE if theirs else None,
+            baseline_tokens_per_s=theirs, speedup=round(m.tokens_per_s / ours, 3) if ours else None,
+            ratio=round(m.tokens_per_s / theirs, 3) if theirs else None))
 
 
 # ---------------------------------------------------------------------------------------------- memory
