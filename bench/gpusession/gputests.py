@@ -39,8 +39,9 @@ def gpu_test_files() -> list[str]:
 def step_gpu_tests(ctx: Context) -> None:
     """pytest -m gpu on those files; in a smoke run one file, to show the step works."""
     target = ["tests/test_gpu_table.py"] if ctx.smoke else gpu_test_files()
+    # Each test's seconds in the report (those over one), so each window's plan can put the cheap ones first.
     argv = [sys.executable, "-m", "pytest", "-m", MARKS, "-o", "addopts=", "-v", "-ra", "-p", "no:cacheprovider",
-            *target]
+            "--durations=0", "--durations-min=1", *target]
     record = base_record(ctx, "gpu-tests", f"python3 -m pytest -m '{MARKS}' -v " + " ".join(target))
     report = ctx.out / "gpu_tests.txt"
     with open(report, "w") as f:  # written as the tests run: a step killed at its budget leaves what ran
@@ -55,6 +56,12 @@ def step_gpu_tests(ctx: Context) -> None:
         key = "error" if key == "errors" else key
         counts[key] = counts.get(key, 0) + int(count)
     not_passed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.MULTILINE)
+    # pytest's durations: "12.34s call     tests/test_x.py::test_y"; a test's phases summed
+    seconds: dict[str, float] = {}
+    for took, test in re.findall(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)", output, flags=re.MULTILINE):
+        seconds[test] = round(seconds.get(test, 0.0) + float(took), 1)
+    slowest = dict(sorted(seconds.items(), key=lambda item: -item[1])[:8]) or None
     record.update(exit_code=done.returncode, summary=summary[:300], failed_tests=not_passed[:10] or None, **counts,
+                  slowest_tests=slowest,
                   status="ok" if done.returncode in (0, 5) else f"failed (exit {done.returncode})")
     append_record(ctx.out, record)  # failing tests are a finding of this step, not its failure
