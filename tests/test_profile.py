@@ -91,6 +91,22 @@ def test_shares_are_consistent(profiled):
     assert seconds["data loading/copies"] >= traced * (1 - 1e-3)
 
 
+def _profiled_session(device: str, accum: int):
+    """What summarize() reads of a training session: a 128-token step of 2 x 32, on `device` ("cpu": fp32 with no
+    known peak; "cuda": bf16 on a GPU nanopt has no peak for)."""
+    from types import SimpleNamespace
+
+    cuda = device == "cuda"
+    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
+                            micro_batch_size=2, seq_len_stages=None)
+    return SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=accum,
+                           rt=SimpleNamespace(device=torch.device(device), precision="bf16" if cuda else "fp32",
+                                              tf32=cuda, world_size=1),
+                           flops_per_token=1000, peak_flops=None,
+                           peak_source="unknown GPU" if cuda else "no peak for CPUs",
+                           memory=SimpleNamespace(peak=lambda: (1 << 30) if cuda else (123 << 20)))
+
+
 def test_summary_of_known_events():
     """Profiler events with known self times, through the same collection and summary as a real profile: what
     ran inside an optimizer step, an attention call or a loader wait counts for it, and every number per step."""
@@ -117,13 +133,7 @@ def test_summary_of_known_events():
         (DATA_WAIT_LABEL, "data loading/copies", 7), ("aten::index", "data loading/copies", 20),
         ("aten::mul", "elementwise/norm/activation", 11), ("aten::mm", "matmul", 60)])
 
-    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
-                            micro_batch_size=2, seq_len_stages=None)
-    session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=2,
-                              rt=SimpleNamespace(device=torch.device("cpu"), precision="fp32", tf32=False,
-                                                 world_size=1),
-                              flops_per_token=1000, peak_flops=None, peak_source="no peak for CPUs",
-                              memory=SimpleNamespace(peak=lambda: 123 << 20))
+    session = _profiled_session("cpu", accum=2)
     # Two active steps of 300 and 500 us that waited 20 and 60 us for the loader; 183 us of operators in all.
     s = summarize(session, ProfileOptions(wait=1, warmup=1, active=2, top=3), collected, [300e-6, 500e-6],
                   [20e-6, 60e-6], compiled=False)
@@ -181,13 +191,7 @@ def test_cuda_summary_of_known_events_leaves_out_annotations_and_waits():
     assert sorted(collected["intervals"]) == [(100, 300), (400, 500), (700, 710)]
     assert sorted(name for name, _, _ in collected["kernels"]) == sorted([gemm, add, copy])
 
-    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
-                            micro_batch_size=2, seq_len_stages=None)
-    session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
-                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
-                                                 world_size=1),
-                              flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
-                              memory=SimpleNamespace(peak=lambda: 1 << 30))
+    session = _profiled_session("cuda", accum=1)
     s = summarize(session, ProfileOptions(active=1, top=5), collected, [1200e-6], [0.0], compiled=False)
     assert s["busy_s"] == pytest.approx(310e-6) and s["idle_s"] == pytest.approx(890e-6)
     assert s["cpu_overhead_s"] == pytest.approx(60e-6) and s["cpu_wait_s"] == pytest.approx(1000e-6)
@@ -206,13 +210,7 @@ def _cuda_summary(events: list, step_us: float) -> dict:
 
     from nanopt.plan.profile import ProfileOptions, summarize
 
-    train = SimpleNamespace(global_batch_tokens=128, parallelism="ddp", activation_checkpointing=False,
-                            micro_batch_size=2, seq_len_stages=None)
-    session = SimpleNamespace(run=SimpleNamespace(run_dir="runs/x", seq_len=32, train=train), accum=1,
-                              rt=SimpleNamespace(device=torch.device("cuda"), precision="bf16", tf32=True,
-                                                 world_size=1),
-                              flops_per_token=1000, peak_flops=None, peak_source="unknown GPU",
-                              memory=SimpleNamespace(peak=lambda: 1 << 30))
+    session = _profiled_session("cuda", accum=1)
     collected = collect(SimpleNamespace(events=lambda: events), on_cuda=True)
     return summarize(session, ProfileOptions(active=1, top=5), collected, [step_us * 1e-6], [0.0], compiled=False)
 
