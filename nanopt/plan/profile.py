@@ -40,7 +40,15 @@ from nanopt.errors import ConfigError
 from nanopt.files import check_run_dir, copy_file, make_dir, replacing
 from nanopt.model.flops import mfu, mfu_note
 from nanopt.parsing import check_option, save_json
-from nanopt.plan.profile_events import CATEGORIES, DATA_WAIT_LABEL, aggregate, collect, timeline_kernels, union_us
+from nanopt.plan.profile_events import (
+    CATEGORIES,
+    DATA_WAIT_LABEL,
+    aggregate,
+    collect,
+    launchers,
+    timeline_kernels,
+    union_us,
+)
 from nanopt.rundir import RunDir
 
 TRACE_FILE = "trace.json"
@@ -237,7 +245,7 @@ def summarize(session: Any, opts: ProfileOptions, collected: dict[str, Any], ste
         "kernel_overlap": overlap, "streams": collected.get("streams") if on_cuda else None,
         "kernels_listed_twice_per_step": listed_twice / steps if on_cuda else None,
         "notes": _kernel_notes(overlap, collected.get("streams") or [], listed_twice / steps),
-        "top_ops": _top(ops, steps, opts.top, collected.get("launchers") if on_cuda else None),
+        "top_ops": _top(ops, steps, opts.top, launchers(collected.get("kernels", [])) if on_cuda else None),
         "peak_memory_bytes": session.memory.peak(),
         "peak_memory_measure": "peak reserved GPU memory plus the CUDA context" if on_cuda else "peak resident "
                                "memory of the process (Python, torch and the profiler incl.)",
@@ -258,14 +266,13 @@ def _categories(ops: list[tuple[str, str, float, int]], steps: int) -> list[dict
 
 
 def _top(ops: list[tuple[str, str, float, int]], steps: int, count: int,
-         launchers: dict[str, dict[str, int]] | None) -> list[dict[str, Any]]:
+         launched_by: dict[str, str] | None) -> list[dict[str, Any]]:
     whole = sum(row[2] for row in ops) or 1.0
     top = [{"name": short_kernel_name(name)[:160], "category": category, "seconds_per_step": micros * US / steps,
             "share": micros / whole, "calls_per_step": calls / steps} for name, category, micros, calls in ops[:count]]
-    if launchers is not None:
+    if launched_by is not None:
         for op, (name, *_) in zip(top, ops, strict=False):
-            by = launchers.get(name, {})
-            op["launched_by"] = max(by, key=by.__getitem__) if by else None
+            op["launched_by"] = launched_by.get(name)
     return top
 
 

@@ -12,7 +12,7 @@ counted apart (`waits`), so a GPU-bound step does not read as host-bound.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 DATA_WAIT_LABEL = "nanopt.data_wait"
@@ -87,11 +87,10 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
 
     host: (name, category, self microseconds) of every CPU event but the per-step frame and the waits.
     waits: self microseconds of every CUDA runtime call that waits for the device (device_wait).
-    kernels: (name, category, microseconds) of every GPU kernel / copy as the CPU events that launched it list it
-    (see timeline_kernels). timeline: (name, microseconds) of every kernel / copy as it ran on the device, once.
-    intervals: (start, end) of every device event, for the busy time. User annotations are in none.
-    launchers: for each kernel name, how many times each CPU event launched it; streams: the device streams that
-    ran kernels. Both say where a surprising kernel comes from, and whether kernels could overlap (kernel_overlap).
+    kernels: (name, category, the CPU event's name) of every GPU kernel / copy as the CPU events that launched it
+    list it (see timeline_kernels): where a surprising kernel comes from. timeline: (name, microseconds) of every
+    kernel / copy as it ran on the device, once. intervals: (start, end) of every device event, for the busy time.
+    streams: the device streams that ran kernels (whether they could overlap). User annotations are in none.
     """
     from torch.autograd import DeviceType
 
@@ -103,7 +102,6 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
     streams = sorted({getattr(e, "device_resource_id", 0) for e in work})
     owners: dict[int, str | None] = {}
     host, kernels, waits = [], [], []
-    launchers: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for event in events:
         if event.device_type != DeviceType.CPU or event.is_async:
             continue
@@ -114,10 +112,8 @@ def collect(prof: Any, on_cuda: bool) -> dict[str, Any]:
             host.append((event.name, owner or categorize(event.name), event.self_cpu_time_total))
         for kernel in event.kernels if on_cuda else ():
             if kernel.name not in annotations:
-                kernels.append((kernel.name, owner or _kernel_category(kernel.name, event), kernel.duration))
-                launchers[kernel.name][event.name] += 1
+                kernels.append((kernel.name, owner or _kernel_category(kernel.name, event), event.name))
     return {"host": host, "kernels": kernels, "intervals": intervals, "waits": waits, "streams": streams,
-            "launchers": {name: dict(by) for name, by in launchers.items()},
             "timeline": [(e.name, e.time_range.end - e.time_range.start) for e in work]}
 
 
@@ -188,7 +184,7 @@ def aggregate(rows: list[tuple[str, str, float]]) -> list[tuple[str, str, float,
     return sorted(((n, c, t, int(k)) for (n, c), (t, k) in totals.items()), key=lambda row: -row[2])
 
 
-def timeline_kernels(listed: list[tuple[str, str, float]],
+def timeline_kernels(listed: list[tuple[str, str, str]],
                      timeline: list[tuple[str, float]]) -> tuple[list[tuple[str, str, float, float]], int]:
     """The kernels as the device ran them, each once, split between categories as the CPU events that launched them
     say: (name, category, microseconds, calls) rows like aggregate's, largest first, and how many listings there were
@@ -213,6 +209,14 @@ def timeline_kernels(listed: list[tuple[str, str, float]],
         extra += max(0, whole - int(calls))
         rows += [(name, category, micros * count / whole, calls * count / whole) for category, count in by.items()]
     return sorted(rows, key=lambda row: -row[2]), extra
+
+
+def launchers(listed: list[tuple[str, str, str]]) -> dict[str, str]:
+    """Each listed kernel name's most frequent launching CPU event."""
+    by: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, _, launcher in listed:
+        by[name][launcher] += 1
+    return {name: counts.most_common(1)[0][0] for name, counts in by.items()}
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
