@@ -95,6 +95,10 @@ class _Bench:
                       compiled=self.compiled, **fields)
         return record
 
+    def compile_s(self, m: Any, steady_s: float) -> float | None:
+        """A side's warm-up beyond its steady steps: what compiling it cost."""
+        return None if m.warmup_s is None else round(max(0.0, m.warmup_s - self.plan.warmup * steady_s), 2)
+
     def mfu(self, tokens_per_s: float) -> float | None:
         from nanopt.model.flops import mfu
 
@@ -174,14 +178,13 @@ def step_throughput(ctx: Context, workload: str, wanted_micro: int, accum_cap: i
             steady = results[0].seconds_per_step
             for m in results:
                 measured[name].setdefault(m.accum, []).append(m)
-                compile_s = None if m.warmup_s is None else round(max(0.0, m.warmup_s - b.plan.warmup * steady), 2)
                 record = b.record(name, b.command(rounds), round=round_, accumulation=m.accum,
                                   tokens_per_s=round(m.tokens_per_s, 1), mfu=b.mfu(m.tokens_per_s),
                                   step_s=round(m.seconds_per_step, 5), peak_memory_gib=gib(m.peak_bytes),
                                   max_allocated_gib=gib(m.max_allocated_bytes),
                                   max_reserved_gib=gib(m.max_reserved_bytes), resident_before_gib=gib(resident),
                                   alone=len(alive) == 1, warmup_s=None if m.warmup_s is None else round(m.warmup_s, 2),
-                                  compile_s=compile_s,
+                                  compile_s=b.compile_s(m, steady),
                                   predicted_memory_gib=gib(b.predicted) if name == "nanopt" else None)
                 append_record(ctx.out, record)
     for accum in b.plan.accums:
@@ -261,11 +264,10 @@ def step_throughput_fp8(ctx: Context, preset_name: str = "llama-1b", wanted_micr
     for m in results:
         same = bf16.get(m.accum, {})
         ours, theirs = same.get("tokens_per_s"), same.get("baseline_tokens_per_s")
-        compile_s = None if m.warmup_s is None else round(max(0.0, m.warmup_s - b.plan.warmup * steady), 2)
         append_record(ctx.out, b.record(
             "fp8-all", command, fp8="all", accumulation=m.accum, tokens_per_s=round(m.tokens_per_s, 1),
             mfu=b.mfu(m.tokens_per_s), step_s=round(m.seconds_per_step, 5), peak_memory_gib=gib(m.peak_bytes),
-            compile_s=compile_s, bf16_tokens_per_s=ours, baseline=BASELINE if theirs else None,
+            compile_s=b.compile_s(m, steady), bf16_tokens_per_s=ours, baseline=BASELINE if theirs else None,
             baseline_tokens_per_s=theirs, speedup=round(m.tokens_per_s / ours, 3) if ours else None,
             ratio=round(m.tokens_per_s / theirs, 3) if theirs else None))
 
