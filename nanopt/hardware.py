@@ -38,30 +38,33 @@ class GPU:
 
 # Sources: NVIDIA's datasheets and architecture whitepapers, halving every "with sparsity" figure. GeForce cards
 # (and AWS's A10G) run bf16 with fp32 accumulation at half their fp16-accumulate rate; that half is listed.
+# Memory: the total nvidia-smi reports for the card, in MiB, not the name's "GB", which is decimal on some cards and
+# binary on others (the H100 NVL's "94GB" is 95,830 MiB, 7% more than 94 * 10**9 bytes; the H200's "141GB" is
+# 143,771 MiB). torch's total_memory, which find-batch and the run see, is 0-1% less (the driver's reserve): 81,079
+# MiB on the H100 SXM and 143,156 on the H200 of nanopt's GPU windows. Cards with ECC on GDDR (L40S, L40, A40, A10,
+# L4) by default report 1/16 less than with it off (46,068 MiB against 49,140 on a 48 GB card).
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    GPU("a100-40gb", "NVIDIA A100 40GB SXM", 312.0, 156.0, 40 * GIB, 1.29, ("a100",)),
-    GPU("a100-80gb", "NVIDIA A100 80GB SXM", 312.0, 156.0, 80 * GIB, 1.79, ("a100", "80gb")),
-    GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989.4, 494.7, 80 * GIB, 2.99, ("h100",)),
-    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.0, 378.0, 80 * GIB, 2.49, ("h100", "pcie")),
-    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5, 417.5, 94 * GB, 2.79, ("h100", "nvl")),
-    # "141GB" is binary: the H200 reports 143,771 MiB (140.4 GiB) to torch and nvidia-smi; 141 * GB is 131.3 GiB.
-    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 141 * GIB, 3.79, ("h200",)),
-    GPU("h200-nvl", "NVIDIA H200 NVL 141GB", 835.5, 417.5, 141 * GIB, 3.49, ("h200", "nvl")),
-    GPU("gh200", "NVIDIA GH200 96GB", 989.4, 494.7, 96 * GB, 1.49, ("gh200",)),
-    GPU("b200", "NVIDIA B200 180GB", 2250.0, 1100.0, 180 * GB, 5.99, ("b200",)),
-    GPU("l40s", "NVIDIA L40S 48GB", 362.05, 183.0, 48 * GB, 1.09, ("l40s",)),
-    GPU("l40", "NVIDIA L40 48GB", 181.05, 90.5, 48 * GB, 0.89, ("l40",)),
-    GPU("l4", "NVIDIA L4 24GB", 121.0, 60.0, 24 * GB, 0.80, ("l4",)),
-    GPU("a40", "NVIDIA A40 48GB", 149.7, 74.8, 48 * GB, 0.44, ("a40",)),
-    GPU("a10", "NVIDIA A10 24GB", 125.0, 62.5, 24 * GB, 0.75, ("a10",)),
-    GPU("a10g", "NVIDIA A10G 24GB (AWS)", 70.0, 35.0, 24 * GB, 1.01, ("a10g",)),
-    GPU("rtx-a6000", "NVIDIA RTX A6000 48GB", 154.8, 77.4, 48 * GB, 0.79, ("a6000",)),
-    GPU("rtx-6000-ada", "NVIDIA RTX 6000 Ada 48GB", 364.2, 182.1, 48 * GB, 0.99, ("6000", "ada")),
-    GPU("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 71.0, 35.6, 24 * GB, 0.22, ("3090",)),
-    GPU("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 82.6, 24 * GB, 0.35, ("4090",)),
-    GPU("rtx-5090", "NVIDIA GeForce RTX 5090 32GB", 209.5, 104.8, 32 * GB, 0.69, ("5090",)),
+    GPU("a100-40gb", "NVIDIA A100 40GB SXM", 312.0, 156.0, 40_960 * MIB, 1.29, ("a100",)),
+    GPU("a100-80gb", "NVIDIA A100 80GB SXM", 312.0, 156.0, 81_920 * MIB, 1.79, ("a100", "80gb")),
+    GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989.4, 494.7, 81_559 * MIB, 2.99, ("h100",)),
+    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.0, 378.0, 81_559 * MIB, 2.49, ("h100", "pcie")),
+    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5, 417.5, 95_830 * MIB, 2.79, ("h100", "nvl")),
+    GPU("h200", "NVIDIA H200 141GB", 989.4, 494.7, 143_771 * MIB, 3.79, ("h200",)),
+    GPU("h200-nvl", "NVIDIA H200 NVL 141GB", 835.5, 417.5, 143_771 * MIB, 3.49, ("h200", "nvl")),
+    GPU("gh200", "NVIDIA GH200 96GB", 989.4, 494.7, 97_871 * MIB, 1.49, ("gh200",)),
+    GPU("b200", "NVIDIA B200 180GB", 2250.0, 1100.0, 183_359 * MIB, 5.99, ("b200",)),
+    GPU("l40s", "NVIDIA L40S 48GB", 362.05, 183.0, 46_068 * MIB, 1.09, ("l40s",)),
+    GPU("l40", "NVIDIA L40 48GB", 181.05, 90.5, 46_068 * MIB, 0.89, ("l40",)),
+    GPU("l4", "NVIDIA L4 24GB", 121.0, 60.0, 23_034 * MIB, 0.80, ("l4",)),
+    GPU("a40", "NVIDIA A40 48GB", 149.7, 74.8, 46_068 * MIB, 0.44, ("a40",)),
+    GPU("a10", "NVIDIA A10 24GB", 125.0, 62.5, 23_028 * MIB, 0.75, ("a10",)),
+    GPU("a10g", "NVIDIA A10G 24GB (AWS)", 70.0, 35.0, 23_028 * MIB, 1.01, ("a10g",)),
+    GPU("rtx-a6000", "NVIDIA RTX A6000 48GB", 154.8, 77.4, 49_140 * MIB, 0.79, ("a6000",)),
+    GPU("rtx-6000-ada", "NVIDIA RTX 6000 Ada 48GB", 364.2, 182.1, 49_140 * MIB, 0.99, ("6000", "ada")),
+    GPU("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", 71.0, 35.6, 24_576 * MIB, 0.22, ("3090",)),
+    GPU("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 82.6, 24_564 * MIB, 0.35, ("4090",)),
+    GPU("rtx-5090", "NVIDIA GeForce RTX 5090 32GB", 209.5, 104.8, 32_607 * MIB, 0.69, ("5090",)),
     # Before Ampere: fp16 tensor cores only (the first figure), and no TF32: fp32 runs at the CUDA cores' rate.
-    # Memory as the cards report it (15,360 and 16,160 / 32,768 MiB).
     GPU("t4", "NVIDIA T4 16GB", 65.0, 8.1, 15360 * MIB, 0.35, ("t4",), bf16=False),
     GPU("v100-16gb", "NVIDIA V100 SXM2 16GB", 125.0, 15.7, 16160 * MIB, 0.99, ("v100", "16gb"), bf16=False),
     GPU("v100-32gb", "NVIDIA V100 SXM2 32GB", 125.0, 15.7, 32768 * MIB, 1.29, ("v100", "32gb"), bf16=False),
