@@ -202,3 +202,37 @@ def test_retention_keeps_the_imported_model_the_run_continues_from(imported, tin
         ["step-000000", "step-000008", "step-000012"]
     meta = json.loads((run / "checkpoints" / "step-000000" / "meta.json").read_text())
     assert meta["imported_from"]["source"]
+
+
+def test_a_fresh_start_of_an_imported_run_starts_again_from_the_import(imported, tiny_dataset, tmp_path,
+                                                                      cli_in_process):
+    """`--resume none` after 12 steps: the earlier checkpoints and metrics go to previous/, step-000000 stays, and
+    the new run starts from the imported weights: its losses are the first run's, step for step (the same seed and
+    batches), where random weights would start near ln(vocab)."""
+    run = _copy(imported, tmp_path, "again", tiny_dataset, **TINY_TRAIN)
+    assert cli_in_process("train", run, "--no-live").returncode == 0
+    first = losses(run)
+    again = cli_in_process("train", run, "--no-live", "--resume", "none")
+    assert again.returncode == 0, again.stderr
+    assert "starting again from the imported weights (step-000000)" in again.stderr
+    assert losses(run) == first and _started_from_import(run)
+    (aside,) = (run / "previous").iterdir()
+    assert sorted(p.name for p in (aside / "checkpoints").glob("step-*")) == \
+        ["step-000004", "step-000008", "step-000012"]
+    assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "latest").is_file()
+    assert json.loads((run / "checkpoints" / "step-000000" / "meta.json").read_text())["imported_from"]
+
+
+def test_a_fresh_start_from_damaged_imported_weights_is_refused_and_moves_nothing(imported, tiny_dataset, tmp_path,
+                                                                                  cli_in_process):
+    run = _copy(imported, tmp_path, "damaged", tiny_dataset, **TINY_TRAIN)
+    assert cli_in_process("train", run, "--no-live").returncode == 0
+    weights = next((run / "checkpoints" / "step-000000").glob("*.safetensors"))
+    with weights.open("r+b") as file:
+        file.seek(-4, 2)
+        file.write(b"\x00\x01\x02\x03")
+    before = tree_digest(run)
+    result = cli_in_process("train", run, "--no-live", "--resume", "none")
+    assert_user_error(result, "cannot start again from the imported weights", "checksum mismatch",
+                      "import the model again")
+    assert tree_digest(run) == before and not (run / "previous").exists()

@@ -89,8 +89,10 @@ a divergence or a preemption is never restarted. The --on-exit command runs once
 def train_command(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any), none, "
-                                                        "latest, best, or a checkpoint path."),
+    resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any), none (start "
+                                                        "over: the earlier checkpoints and metrics move to "
+                                                        "previous/; an imported run starts again from the "
+                                                        "import), latest, best, or a checkpoint path."),
     allow_changed: bool = typer.Option(False, "--allow-changed/--no-allow-changed", help="Resume although the "
                                        "learning rate, budget, micro-batch or world size changed (never model or "
                                        "data)."),

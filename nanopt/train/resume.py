@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from nanopt.config import ModelConfig, RunConfig, TrainConfig
@@ -109,12 +110,10 @@ def _check_weights_only_start(meta: dict[str, Any], run: RunConfig, tokenizer_sh
 
 def maybe_resume(s: Session) -> None:
     """Restore the session from the checkpoint `--resume` names, or start from scratch."""
-    if s.opts.resume == "none":
-        _start_fresh(s)
-        return
-    found = _find_checkpoint(s)
+    found = _start_fresh(s) if s.opts.resume == "none" else _find_checkpoint(s)
     if found is None:
-        s.metrics.truncate_after(0)
+        if s.opts.resume != "none":
+            s.metrics.truncate_after(0)
         return
     check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed,
                     s.dataset.tokenizer_sha256, s.rt.world_size)
@@ -162,20 +161,58 @@ def _load_sharded(s: Session, found: ckpt.Checkpoint) -> None:
     load_sharded_state(s.prepared, s.optimizer, {"model": filled["model"], "optimizer": optimizer})
 
 
-def _start_fresh(s: Session) -> None:
+def _start_fresh(s: Session) -> ckpt.Checkpoint | None:
     """Move an earlier run's checkpoints and metrics aside (rank 0), so that nothing of it can be taken for this
-    run's: neither by `nanopt train` resuming after a crash, nor by eval, nor by retention. Nothing is deleted."""
-    if not s.rt.is_main:
-        return
+    run's: neither by `nanopt train` resuming after a crash, nor by eval, nor by retention. Nothing is deleted.
+
+    `--resume none` is this run again from its beginning, and an imported run begins at the imported weights
+    (`nanopt import`'s step 0): that checkpoint stays where it is and is returned, verified, to start from. Every
+    rank finds it on its own; rank 0 never moves it, so no rank races rank 0's renames."""
+    imported = _imported_start(s)
+    found = None if imported is None else _verified_import(imported)  # before anything moves: a refusal moves nothing
+    if s.rt.is_main:
+        _move_aside(s, keep=imported)
+    return found
+
+
+def _verified_import(path: Path) -> ckpt.Checkpoint:
+    try:
+        return ckpt.verify_discovered(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot start again from the imported weights: {exc.message}",
+                              "import the model again (into a new run directory)") from None
+
+
+def _imported_start(s: Session) -> Path | None:
+    """The run's imported model: step 0, a weights-only checkpoint with `imported_from` in its meta.json."""
+    for path in ckpt.complete_checkpoints(s.run.run_dir)[:1]:
+        try:
+            meta = ckpt.read_meta(path / "meta.json")
+        except CheckpointError:
+            return None
+        if ckpt.step_of(path) == 0 and isinstance(meta, dict) and meta.get("imported_from"):
+            return path
+    return None
+
+
+def _move_aside(s: Session, keep: Path | None) -> None:
+    """The training outputs into previous/TIMESTAMP/; with `keep`, checkpoints/ stays and only its other entries
+    (later checkpoints, the `latest` and `best` pointers) go, into previous/TIMESTAMP/checkpoints/."""
     paths = s.paths
-    outputs = paths.training_outputs()
-    if not outputs:
+    outputs = [path for path in paths.training_outputs() if keep is None or path != paths.checkpoints]
+    earlier = [] if keep is None else sorted(path for path in paths.checkpoints.iterdir() if path != keep)
+    if not outputs and not earlier:
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     aside = make_dir(make_dir(paths.previous) / stamp)  # a link or a file at previous/ is refused, never followed
     for path in outputs:  # rename moves a name, never what a link names (and check_run_dir refused links here)
         path.rename(aside / path.name)
-    s.observer.note(f"starting from scratch (--resume none): the earlier checkpoints and metrics were moved to "
+    if earlier:
+        checkpoints = make_dir(aside / paths.checkpoints.name)
+        for path in earlier:
+            path.rename(checkpoints / path.name)
+    start = "from scratch" if keep is None else f"again from the imported weights ({keep.name})"
+    s.observer.note(f"starting {start} (--resume none): the earlier checkpoints and metrics were moved to "
                     f"{aside} (delete it when you no longer need it)")
 
 
