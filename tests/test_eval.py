@@ -21,8 +21,7 @@ from distributed import run_ranks
 from faulthelp import Launcher
 from trainhelp import HIDE_CUDA, make_run
 
-from nanopt.evaluate.compare import ranked
-from nanopt.evaluate.report import training_seconds
+from nanopt.evaluate.compare import ranked, training_seconds
 
 
 @pytest.fixture(scope="module")

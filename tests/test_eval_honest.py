@@ -244,3 +244,49 @@ def test_an_eval_json_made_under_the_old_slicing_rule_is_not_reused(run: Path, t
     compared = eval_json(cli_in_process, other, run, "--tokens", "1024")["runs"]
     [again] = [r for r in compared if r["run"] == str(other)]
     assert not again.get("reused") and again["test_loss"] == pytest.approx(fresh["test_loss"], rel=1e-9)
+
+
+# A stored result from someone else's run: what it measured is checked before it is reused; the rest is worked out
+# again. Each entry: (what is planted over a result made with the same settings, the note's words).
+MALFORMED = {
+    "loss-text": ({"test_loss": "abc"}, "test_loss is 'abc', not a finite number"),
+    "loss-nan": ({"test_loss": float("nan")}, "test_loss is nan"),
+    "loss-negative": ({"test_loss": -1.0}, "test_loss is -1.0, not a finite number >= 0"),
+    "tokens": ({"tokens": -5}, "it scored -5 tokens, this evaluation 1,024"),
+    "samples": ({"samples": 7}, "samples is 7, not a list"),
+    "sample": ({"samples": [{"prompt": "a", "ended": True}]}, "samples[0].completion is None, not a string"),
+    "tasks": ({"tasks": {"hellaswag": {"acc": {"value": "high"}}}}, "tasks.hellaswag.acc.value is 'high'"),
+    "sources": ({"sources": {"web": {"test_loss": 1.0, "tokens": 3}}}, "it scored the sources ['web']"),
+    "device": ({"device": ["cuda"] * 50}, "device is ['cuda', 'cuda', 'cuda', 'cuda', 'cud..., not a string"),
+}
+
+
+@pytest.mark.parametrize("planted", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_stored_result_with_a_wrong_measured_value_is_evaluated_again(planted, run: Path, tmp_path: Path,
+                                                                        cli_in_process):
+    other = Path(shutil.copytree(run, tmp_path / "other"))
+    fresh = eval_json(cli_in_process, other, "--tokens", "1024")
+    (other / "eval_history.jsonl").unlink()  # it holds today's result, which would be reused (rightly) instead
+    (other / "checkpoints" / "step-000004" / "eval.json").write_text(json.dumps({**fresh, **planted[0]}))
+    result = cli_in_process("eval", other, run, "--tokens", "1024", "--no-samples", "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    [again] = [r for r in json.loads(result.stdout)["runs"] if r["run"] == str(other)]
+    assert not again.get("reused") and again["test_loss"] == pytest.approx(fresh["test_loss"], rel=1e-9)
+    assert f"was not reused ({planted[1]}" in result.stderr.replace("\n", " "), result.stderr
+
+
+def test_a_reused_result_takes_only_what_was_measured_and_works_out_the_rest(run: Path, tmp_path: Path,
+                                                                            cli_in_process):
+    """Which run and step, the training's cost, perplexity and bits per byte are not taken from the file: forged
+    ones (that would crash the report, or misstate the run) are replaced; the stored loss stands for the weights."""
+    other = Path(shutil.copytree(run, tmp_path / "other"))
+    fresh = eval_json(cli_in_process, other, "--tokens", "1024")
+    forged = {"run": 5, "step": "x", "perplexity": [1], "bits_per_byte": "z", "train_sessions": "many",
+              "parameters": -1, "test_loss": 2.5}
+    (other / "checkpoints" / "step-000004" / "eval.json").write_text(json.dumps({**fresh, **forged}))
+    result = eval_json(cli_in_process, other, run, "--tokens", "1024")
+    [reused] = [r for r in result["runs"] if r["run"] == str(other)]
+    assert reused["reused"] and reused["test_loss"] == 2.5 and reused["step"] == fresh["step"]
+    assert reused["perplexity"] == pytest.approx(math.exp(2.5))
+    assert reused["bits_per_byte"] == pytest.approx(2.5 / math.log(2) / fresh["bytes_per_token"])
+    assert reused["parameters"] == fresh["parameters"] and reused["train_sessions"] == fresh["train_sessions"]

@@ -7,9 +7,14 @@ with different tokenizers (on the same text). `notes` says when a comparison nee
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanopt.train.phases import run_time
+from nanopt.model.flops import count_params
+from nanopt.train.metrics import read_metrics
+from nanopt.train.phases import newest_per_session, run_time
+
+if TYPE_CHECKING:
+    from nanopt.evaluate.trained import TrainedModel
 
 
 def ranked(results: list[dict[str, Any]], price_per_hour: float | None = None) -> list[dict[str, Any]]:
@@ -65,3 +70,36 @@ def notes(results: list[dict[str, Any]]) -> list[str]:
         found.append(f"no price for {', '.join(unpriced)}: pass --price-per-hour (USD per device-hour: a GPU, or "
                      "the machine of a CPU run)")
     return found
+
+
+def training_record(trained: TrainedModel) -> dict[str, Any]:
+    """What the run cost to get to this checkpoint, as far as the checkpoint and metrics.jsonl tell."""
+    meta, run = trained.checkpoint.meta, trained.run
+    records = read_metrics(run.run_dir)
+    return {"parameters": count_params(run.model).total, "tokens_trained": int(meta.get("tokens", 0)),
+            "global_batch_tokens": run.train.global_batch_tokens, "train_world_size": int(meta.get("world_size", 1)),
+            # What the device-hours were hours of ("cpu", "cuda"); None for a checkpoint older than the field.
+            "train_device_type": meta.get("device_type"),
+            "train_seconds": training_seconds(records, trained.checkpoint.step),
+            # Each training session's time per phase to this checkpoint: `compare` prices them.
+            "train_sessions": newest_per_session(records, trained.checkpoint.step)}
+
+
+def training_seconds(records: list[dict[str, Any]], up_to_step: int) -> float | None:
+    """Sum of logged step times up to a step: step_time_s x the steps since the previous log line.
+
+    Start-up, eval and checkpoint pauses are not step time and are left out. A resume restarts the count at the
+    checkpoint's step (steps run after the last log line of a killed session were not logged and are missing).
+    None when metrics.jsonl has no step times.
+    """
+    total, previous_step, found = 0.0, 0, False
+    for record in records:
+        step = record.get("step")
+        if not isinstance(step, int) or step > up_to_step:
+            continue
+        if record.get("kind") == "event" and record.get("event") == "resume":
+            previous_step = step
+        elif record.get("kind") == "train" and isinstance(record.get("step_time_s"), (int, float)):
+            total += record["step_time_s"] * max(0, step - previous_step)
+            previous_step, found = step, True
+    return total if found else None

@@ -7,7 +7,7 @@ decide its numbers: --data, --tokens, the samples' settings, --tasks, --harness)
 
 Readers: the watcher (a checkpoint the history holds a result for, with the same files and options, is not scored
 again: a restarted watcher goes on where it stopped), the reuse of results when several runs are compared
-(report.previous_result), the comparison chart and the run's own loss.png (each run's test loss against tokens
+(reuse.previous_result), the comparison chart and the run's own loss.png (each run's test loss against tokens
 trained; read by nanopt.train.eval_history, a layer below, for the latter). The file is
 appended whole or not at all, never through a link (nanopt.files.append_whole); a reader skips any line that is
 not such a result (torn by a kill, or from elsewhere), as metrics.jsonl's readers do.

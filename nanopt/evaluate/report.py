@@ -30,15 +30,16 @@ from nanopt.config import MAX_MODEL_DIMENSION
 from nanopt.data.loader import EVAL_SLICE_VERSION
 from nanopt.data.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
+from nanopt.evaluate.compare import training_record
 from nanopt.evaluate.health import run_health
-from nanopt.evaluate.history import append_result, read_history, with_settings
+from nanopt.evaluate.history import append_result
+from nanopt.evaluate.reuse import NotReusable, measured, previous_result
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
 from nanopt.evaluate.tasks.downstream import TaskOptions
 from nanopt.evaluate.tasks.harness import HarnessOptions
 from nanopt.evaluate.trained import TrainedModel, fallback_note, load_model, open_trained, tokenizer_identity
 from nanopt.files import check_run_dir
-from nanopt.model.flops import count_params
-from nanopt.parsing import INT64_MAX, check_option, read_json, save_json
+from nanopt.parsing import INT64_MAX, check_option, save_json
 from nanopt.rundir import CHECKPOINTS, EVAL_FILE, RunDir
 from nanopt.runtime import (
     Runtime,
@@ -52,10 +53,8 @@ from nanopt.runtime import (
 )
 from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint
-from nanopt.train.metrics import read_metrics
-from nanopt.train.phases import newest_per_session
 from nanopt.train.resume import data_fingerprint
-from nanopt.train.validation import evaluate_by_source
+from nanopt.train.validation import LossResult, evaluate_by_source
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU
@@ -150,10 +149,12 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     batches = run_eval_batches(trained.dataset, SPLIT, trained.run.seq_len, micro_batch_size, rt.rank,
                                rt.world_size, opts.tokens)
     settings = eval_settings(trained, rt, opts, tokens=batches.targets)
+    context = _context(run_dir, trained, settings)
     if opts.reuse:
         previous = broadcast_object(rt, previous_result(trained.checkpoint, settings, run_dir) if rt.is_main else None)
-        if previous is not None:
-            return {**previous, "reused": True, "notes": _notes(trained)}
+        reused = None if previous is None else _reused(previous, trained, context, batches.targets)
+        if reused is not None:
+            return reused
 
     model = _load(trained, rt)
     started = time.perf_counter()
@@ -167,22 +168,45 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
     samples = []
     if opts.samples and rt.is_main:
         samples = generate_samples(model, trained.tokenizer(), trained.eos_id, opts.samples)
-    bytes_per_token, sources = _by_source(trained.dataset, by_source.get("sources"))
-    result = {
-        "run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
-        "notes": _notes(trained), "dataset": str(trained.dataset.path), "split": SPLIT,
-        "test_loss": loss.loss, "perplexity": loss.perplexity,
-        "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "tokens": loss.tokens,
-        "split_tokens": trained.dataset.split_tokens(SPLIT), "bytes_per_token": bytes_per_token, **sources,
-        **training_record(trained),
-        "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks, "settings": settings,
-        "health": run_health(trained.run) if trained.run.train.health else None,
-        "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
-        "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    result = {**context, **_loss_figures(trained, loss, by_source.get("sources")), "samples": samples, **tasks,
+              "micro_batch_size": micro_batch_size, "world_size": rt.world_size, "device": str(rt.device),
+              "precision": rt.precision, "tf32": rt.tf32, "eval_seconds": seconds,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_result(rt, result, trained, run_dir, opts)
     return result
+
+
+def _context(run_dir: Path, trained: TrainedModel, settings: dict[str, Any]) -> dict[str, Any]:
+    """What a result says that no forward pass measures: which run, checkpoint and data, what training cost to get
+    here (from metrics.jsonl), the run's health, and the settings it is reused under."""
+    return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
+            "notes": _notes(trained), "dataset": str(trained.dataset.path), "split": SPLIT,
+            "split_tokens": trained.dataset.split_tokens(SPLIT), **training_record(trained),
+            "tokenizer_check": trained.tokenizer_check, "settings": settings,
+            "health": run_health(trained.run) if trained.run.train.health else None}
+
+
+def _loss_figures(trained: TrainedModel, loss: LossResult, scored: dict[str, Any] | None) -> dict[str, Any]:
+    """The test loss with its perplexity and bits per byte, and a mixture's per-source figures."""
+    bytes_per_token, sources = _by_source(trained.dataset, scored)
+    return {"test_loss": loss.loss, "perplexity": loss.perplexity, "tokens": loss.tokens,
+            "bits_per_byte": bits_per_byte(loss.loss, bytes_per_token), "bytes_per_token": bytes_per_token,
+            **sources}
+
+
+def _reused(previous: dict[str, Any], trained: TrainedModel, context: dict[str, Any],
+            tokens: int) -> dict[str, Any] | None:
+    """An earlier result for this checkpoint and these settings: what it measured, checked (nanopt.evaluate.reuse),
+    with everything else worked out again; None, with a note, when a measured value is wrong."""
+    try:
+        part = measured(previous, tokens, list(getattr(trained.dataset, "names", [])))
+    except NotReusable as exc:
+        context["notes"].append(f"an earlier result for this checkpoint was not reused ({exc}): evaluated again")
+        return None
+    scored = {name: {"val_loss": source["test_loss"], "val_tokens": source["tokens"]}
+              for name, source in part.pop("sources", {}).items()}
+    figures = _loss_figures(trained, LossResult(part["test_loss"], tokens), scored or None)
+    return {**context, **part, **figures, "reused": True}
 
 
 def _by_source(dataset: Any, scored: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
@@ -343,51 +367,5 @@ def _task_settings(tasks: TaskOptions | None) -> dict[str, Any] | None:
     if tasks is None:
         return None
     return {**asdict(tasks), "task_data": None if tasks.task_data is None else str(tasks.task_data)}
-
-
-def previous_result(ckpt: Checkpoint, settings: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's eval.json if it was made with exactly these settings, else the run's newest such result in
-    eval_history.jsonl (`eval --watch` writes none into the checkpoint)."""
-    try:
-        previous = read_json(ckpt.path / EVAL_FILE, error=CheckpointError)
-    except CheckpointError:  # none yet, or unreadable (never a named pipe's blocking read): look in the history
-        previous = None
-    if isinstance(previous, dict) and previous.get("settings") == settings:
-        return previous
-    found = with_settings(read_history(run_dir), ckpt.step, settings)
-    return None if found is None else {k: v for k, v in found.items() if k not in ("checkpoint_id", "options")}
-
-
-def training_record(trained: TrainedModel) -> dict[str, Any]:
-    """What the run cost to get to this checkpoint, as far as the checkpoint and metrics.jsonl tell."""
-    meta, run = trained.checkpoint.meta, trained.run
-    records = read_metrics(run.run_dir)
-    return {"parameters": count_params(run.model).total, "tokens_trained": int(meta.get("tokens", 0)),
-            "global_batch_tokens": run.train.global_batch_tokens, "train_world_size": int(meta.get("world_size", 1)),
-            # What the device-hours were hours of ("cpu", "cuda"); None for a checkpoint older than the field.
-            "train_device_type": meta.get("device_type"),
-            "train_seconds": training_seconds(records, trained.checkpoint.step),
-            # Each training session's time per phase to this checkpoint: `compare` prices them.
-            "train_sessions": newest_per_session(records, trained.checkpoint.step)}
-
-
-def training_seconds(records: list[dict[str, Any]], up_to_step: int) -> float | None:
-    """Sum of logged step times up to a step: step_time_s x the steps since the previous log line.
-
-    Start-up, eval and checkpoint pauses are not step time and are left out. A resume restarts the count at the
-    checkpoint's step (steps run after the last log line of a killed session were not logged and are missing).
-    None when metrics.jsonl has no step times.
-    """
-    total, previous_step, found = 0.0, 0, False
-    for record in records:
-        step = record.get("step")
-        if not isinstance(step, int) or step > up_to_step:
-            continue
-        if record.get("kind") == "event" and record.get("event") == "resume":
-            previous_step = step
-        elif record.get("kind") == "train" and isinstance(record.get("step_time_s"), (int, float)):
-            total += record["step_time_s"] * max(0, step - previous_step)
-            previous_step, found = step, True
-    return total if found else None
 
 
