@@ -14,12 +14,19 @@ the heartbeat is older than the timeout it reports once per stall:
 
 When the heartbeat moves again, rank 0 records `stall_over`. The watch only reports; it never stops the run, since
 a slow filesystem may recover. It starts after the first step, because that step compiles and may legitimately
-take many minutes. A thread cannot run while another holds the GIL in a call that never returns; the blocking calls
-a training step makes (CUDA synchronisation, collectives, file reads) release it.
+take many minutes.
+
+The blocking calls a training step makes (CUDA synchronisation, collectives, file reads) release the GIL, so the
+watch's thread runs while the loop waits. A C call that holds the GIL and never returns (a page fault on a stalled
+network mmap inside a copy, a native library's deadlock) would freeze the watch too. For that case each of the
+watch's polls re-arms Python's faulthandler, whose own C thread needs no GIL: when the watch has not run for the
+timeout plus two polls, it prints every thread's stack on stderr (headed "Timeout (H:MM:SS)!"), into the run's
+log, once. No event or hook can run then: nothing in Python can.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import threading
 import time
@@ -69,11 +76,14 @@ class StallWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         poll = min(30.0, self.timeout_s / POLLS_PER_TIMEOUT)
         stalled: tuple[Stall, float] | None = None  # the stall reported, and the heartbeat it saw
         while not self._stop.wait(poll):
+            # Pushed back at every poll, so it fires only when this thread cannot run at all (module docstring).
+            _arm_frozen_dump(self.timeout_s + 2 * poll)
             when, step, phase = self._beat
             idle = time.monotonic() - when
             if stalled is None and idle > self.timeout_s:
@@ -82,6 +92,14 @@ class StallWatch:
             elif stalled is not None and when != stalled[1]:
                 _quietly(self.on_over, stalled[0], when - stalled[1])
                 stalled = None
+
+
+def _arm_frozen_dump(after_s: float) -> None:
+    """faulthandler's dump of every thread's stack to stderr in `after_s`, unless re-armed or cancelled first."""
+    try:
+        faulthandler.dump_traceback_later(after_s, repeat=False, file=sys.__stderr__ or sys.stderr)
+    except (AttributeError, OSError, RuntimeError, ValueError):  # no usable stderr (a daemon without one): no dump
+        pass
 
 
 def _quietly(callback: Callable[..., None], *args: Any) -> None:
