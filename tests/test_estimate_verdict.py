@@ -38,6 +38,19 @@ def test_a_run_that_fits_says_so_with_its_largest_micro_batch(cli_in_process):
     assert "fits:" in table.stdout
 
 
+def test_a_run_that_only_run_healths_copy_keeps_from_fitting_is_told_to_turn_health_off(cli_in_process):
+    """The 1B recomputing every block at micro-batch 1 on 22.5 GiB: the peak is a log step's update (weights,
+    gradients, moments and health's copy of the weights: 24.0 GiB), which no smaller micro-batch lowers."""
+    memory, overrides = 23034 << 20, {"activation_checkpointing": True, "micro_batch_size": 1}
+    report = estimate_json(cli_in_process, RUNS / "llama-3.2-1b", "--gpu-memory", "23034MiB",
+                           *(arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}".lower())))
+    fit = report["fit"]
+    assert fit["fits"] is False and report["memory_bytes"]["health_snapshot"] > 4 * GIB
+    [health] = [r for r in fit["remedies"] if r["set"] == {"health": False}]
+    assert "run health copies the weights around each log step's update (4.60 GiB)" in health["text"]
+    assert remedy_fits("llama-3.2-1b", health, memory, overrides)
+
+
 @pytest.mark.parametrize("preset, memory", [("llama-3.2-1b", 16 * GIB), ("gpt2-small", 3 * GIB),
                                             ("smollm-360m", 8 * GIB)])
 def test_a_run_that_does_not_fit_at_micro_batch_1_gets_remedies_that_work(preset: str, memory: int,

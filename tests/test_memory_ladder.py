@@ -201,6 +201,7 @@ def allocated_states_in_rank(run: Path, parallelism: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from nanopt.runtime import init_runtime
+    from nanopt.train.health_probe import HealthProbe
     from nanopt.train.session import build_session
 
     s = build_session(load_run(run, {"parallelism": parallelism}), init_runtime("fp32"))
@@ -208,12 +209,16 @@ def allocated_states_in_rank(run: Path, parallelism: str) -> dict:
     loss = s.prepared.model(inputs, targets)
     between = _storage_bytes(p for block in s.prepared.raw.layers for p in block.parameters())
     loss.backward()
+    probe = HealthProbe(s.prepared.raw, s.optimizer, s.rt)  # as a log step with run health on runs the update
+    probe.before_update()
+    snapshot = _storage_bytes(probe.snapshot)
     s.optimizer.step()
+    probe.after_update()
     params = list(s.prepared.raw.parameters())
     local = s.optimizer.optim if isinstance(s.optimizer, ZeroRedundancyOptimizer) else s.optimizer
     state = [t for entry in local.state.values() for t in entry.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"weights": _storage_bytes(params), "gradients": _storage_bytes(p.grad for p in params),
-            "optimizer": _storage_bytes(state), "between": between,
+            "optimizer": _storage_bytes(state), "between": between, "health_snapshot": snapshot,
             "on_cpu": all(p.device.type == "cpu" for p in params)}
 
 
@@ -232,11 +237,12 @@ def test_bytes_per_parameter_of_each_rung_are_the_tensors_allocated(tmp_path: Pa
 
         def model(choice: str):
             return estimate_memory(cfg.model, cfg.seq_len, precision="fp32", compiled=False,
-                                   activation_checkpointing=False, parallelism=choice, world_size=world, cuda=False)
+                                   activation_checkpointing=False, parallelism=choice, world_size=world, cuda=False,
+                                   health=True)
 
         predicted = model(parallelism)
         if parallelism == "fsdp_offload":  # fsdp's shards, all in host memory, none on the device
-            assert predicted.weights == predicted.gradients == predicted.optimizer == 0
+            assert predicted.weights == predicted.gradients == predicted.optimizer == predicted.health_snapshot == 0
             assert all(r["on_cpu"] for r in ranks)
             assert predicted.host == sum(getattr(model("fsdp"), part) for part in STATES)
             predicted = model("fsdp")
@@ -248,7 +254,29 @@ def test_bytes_per_parameter_of_each_rung_are_the_tensors_allocated(tmp_path: Pa
             assert between == pytest.approx(predicted.gathered, rel=0.02), (between, predicted.gathered)
 
 
-STATES = ("weights", "gradients", "optimizer")
+STATES = ("weights", "gradients", "optimizer", "health_snapshot")
+
+
+def test_run_healths_copy_of_the_weights_is_what_the_memory_model_adds_at_a_log_steps_update(tmp_path: Path,
+                                                                                            tiny_dataset: Path):
+    """The probe's copy, taken before a log step's update, against the model's `health_snapshot` (none with health
+    off); and the update is the peak where nothing else is larger (every block recomputed, micro-batch 1)."""
+    from nanopt.model.memory import estimate_memory
+
+    run = make_run(tmp_path, tiny_dataset, "run", model=MEASURED_MODEL, **{**SHORT, "global_batch_tokens": 128})
+    cfg = load_run(run)
+    [measured] = run_ranks(allocated_states_in_rank, run, "ddp", world_size=1, env=HIDE_CUDA)
+
+    def model(health: bool, checkpointing: bool = False):
+        return estimate_memory(cfg.model, cfg.seq_len, precision="fp32", compiled=False, cuda=False,
+                               activation_checkpointing=checkpointing, parallelism="ddp", world_size=1,
+                               health=health)
+
+    assert measured["health_snapshot"] == pytest.approx(model(True).health_snapshot, rel=0.02)
+    assert model(True).health_snapshot == model(True).weights and model(False).health_snapshot == 0
+    lean_on, lean_off = model(True, checkpointing=True), model(False, checkpointing=True)
+    update = lean_on.weights + lean_on.gradients + lean_on.optimizer + lean_on.runtime_overhead + lean_on.weights
+    assert lean_on.total(1) == update > lean_off.total(1)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])

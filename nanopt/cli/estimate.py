@@ -304,6 +304,8 @@ def _memory_table(r: dict[str, Any]) -> Table:
         table.add_row("loss (head gradient, one chunk)", fmt.size(m["loss_buffers"] + m["loss_chunk"]))
     if m.get("weight_copies"):
         table.add_row("weight copies (eager autocast)", fmt.size(m["weight_copies"]))
+    if m.get("health_snapshot"):
+        table.add_row("run health's weight copy (log steps' update)", fmt.size(m["health_snapshot"]))
     table.add_row("runtime overhead (Python, torch)" if on_cpu else "runtime overhead (CUDA context, workspaces)",
                   fmt.size(m["runtime_overhead"]))
     if a:

@@ -25,9 +25,11 @@ RUNTIME_OVERHEAD_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """The peak is the larger of two moments: the forward's, in the loss (every activation kept for backward, the
-    loss's chunk transients, and the gradients only when an earlier micro-batch of the step left them), and the
-    backward's (every gradient, and under activation checkpointing one block rebuilt with the inputs kept)."""
+    """The peak is the largest of three moments: the forward's, in the loss (every activation kept for backward,
+    the loss's chunk transients, and the gradients only when an earlier micro-batch of the step left them), the
+    backward's (every gradient, and under activation checkpointing one block rebuilt with the inputs kept), and a
+    log step's optimizer update with run health on (every gradient, and the copy of the weights the health probe
+    takes before the update: nanopt.train.health_probe)."""
 
     weights: int
     gradients: int
@@ -55,6 +57,9 @@ class MemoryEstimate:
     # Activation checkpointing: per sequence at a rebuilt block's backward (every kept input, one block's
     # activations and the residual stream's fp32 gradient), while all gradients may exist; 0 without it.
     recompute_per_sequence: int = 0
+    # Run health's copy of this GPU's weights around a log step's update; 0 with `health` off, or with the weights
+    # in host memory (fsdp_offload: the copy is too).
+    health_snapshot: int = 0
 
     def gradients_in_forward(self, micro_batch_size: int) -> bool:
         return micro_batch_size < self.step_sequences
@@ -75,7 +80,8 @@ class MemoryEstimate:
                    + self.loss_chunk_bytes(micro_batch_size))
         backward = (self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.gathered
                     + micro_batch_size * self.recompute_per_sequence)
-        return max(forward, backward)
+        update = self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.health_snapshot
+        return max(forward, backward, update)
 
     def max_micro_batch(self, device_bytes: int) -> int:
         """The largest micro-batch whose total fits, by bisection: the total grows with the micro-batch (but for
@@ -93,6 +99,7 @@ class MemoryEstimate:
                 "activations_per_sequence": self.activations_per_sequence,
                 "runtime_overhead": self.runtime_overhead, "loss_buffers": self.loss_buffers,
                 "gathered": self.gathered, "host": self.host, "weight_copies": self.weight_copies,
+                "health_snapshot": self.health_snapshot,
                 "loss_chunk": self.loss_chunk_bytes(micro_batch_size),
                 "gradients_in_forward": self.gradients_in_forward(micro_batch_size),
                 "total": self.total(micro_batch_size)}
@@ -243,7 +250,8 @@ def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallel
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
                     activation_checkpointing: bool | int | str, parallelism: str, world_size: int,
-                    optimizer: str = "adamw", cuda: bool = True, step_sequences: float = math.inf) -> MemoryEstimate:
+                    optimizer: str = "adamw", cuda: bool = True, step_sequences: float = math.inf,
+                    health: bool = False) -> MemoryEstimate:
     """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights, at one
     rung of the ladder: train.json's `parallelism` (SHARDED_STATES) and `activation_checkpointing` (any
     granularity: checkpointed_blocks). `step_sequences`: the sequences per rank of one optimizer step; a smaller
@@ -257,7 +265,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
 
     Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
     momentum buffer for the hidden matrices it updates instead. Eager autocast keeps the blocks' weight copies
-    (weight_copy_bytes); zero2 keeps every block's gathered weights (`gathered`).
+    (weight_copy_bytes); zero2 keeps every block's gathered weights (`gathered`). With run `health` on, a log
+    step copies the weights around its update (`health_snapshot`).
     """
     parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel)
     act_bytes = 4 if precision == "fp32" else 2
@@ -277,11 +286,14 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
                          muon_params=muon_params, parallelism=parallelism,
                          adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8)
     gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
+    # Offloaded, run health's copy of the weights (a log step's) is in host memory, as they are.
+    host_copy = math.ceil(4 * count_params(cfg).total / world_size) if parallelism in OFFLOADED else 0
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
                                weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
                                seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
-                               recompute_per_sequence=backward)
+                               recompute_per_sequence=backward, health_snapshot=states.weights if health else 0,
+                               host=states.host + (host_copy if health else 0))
 
 
 SELECTIVE = "selective"

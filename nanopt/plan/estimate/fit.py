@@ -5,6 +5,7 @@ parallelism table and the ladder never advise two different things."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -39,6 +40,7 @@ def fit(run: RunConfig | None, world: int, target: Target, precision: str, param
         verdict = (f"does not fit in {gib(memory)} {target.per_device} even at micro-batch 1: it needs "
                    f"{gib(current.total(1))}")
     remedies = [remedy for remedy in (_smaller_micro_batch(run, world, largest),
+                                      _without_health(run, world, target, precision, current),
                                       _rung(run, world, target, precision, mfu)) if remedy]
     if not remedies:
         verdict += ("; no setting nanopt has makes it fit: fewer parameters, a shorter seq_len or a device with "
@@ -53,6 +55,23 @@ def _smaller_micro_batch(run: RunConfig, world: int, largest: int) -> dict[str, 
     return {"set": {"micro_batch_size": size}, "num_gpus": world,
             "text": f"micro_batch_size {size}: gradient accumulation keeps the global batch (`nanopt find-batch "
                     "--write` measures the largest that fits)"}
+
+
+def _without_health(run: RunConfig, world: int, target: Target, precision: str,
+                    current: memory_model.MemoryEstimate) -> dict[str, Any] | None:
+    """Run health off, where its copy of the weights around a log step's update is what does not fit: the
+    micro-batch then fits as it is (nothing about the training changes; its health signals go)."""
+    wanted = run.train.micro_batch_size
+    if not current.health_snapshot:
+        return None
+    without = run_memory(dataclasses.replace(run, train=dataclasses.replace(run.train, health=False)), target,
+                         precision, world)
+    if not fits_in(without, wanted, target):
+        return None
+    return {"set": {"health": False}, "num_gpus": world,
+            "text": f"\"health\": false: run health copies the weights around each log step's update "
+                    f"({gib(current.health_snapshot)}), the peak here; without it micro-batch {wanted} needs "
+                    f"{gib(without.total(wanted))} (the per-block gradient norms and update ratios go unmeasured)"}
 
 
 def _rung(run: RunConfig, world: int, target: Target, precision: str, mfu: float) -> dict[str, Any] | None:

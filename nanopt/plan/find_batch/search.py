@@ -221,12 +221,14 @@ def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConf
     run accumulates, one where it does not. Accumulating, the gradients stay allocated while the later
     micro-batches run forward (4 bytes a parameter, 4.6 GiB on a 1B model: more than the margin), so a trial of
     one micro-batch a step would pass sizes that run out of memory in training. Two show that peak; more would
-    only repeat it. Under sequence-length stages the trial runs the longest stage's shape (the same tokens a
-    micro-batch, the largest attention): the size that fits there fits the whole run."""
+    only repeat it. Each step is a log step, whose update holds run health's copy of the weights. Under
+    sequence-length stages the trial runs the longest stage's shape (the same tokens a micro-batch, the largest
+    attention): the size that fits there fits the whole run."""
     accumulation = 2 if micro_batch_size < run.sequences_per_rank(world_size) else 1
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
                                 global_batch_tokens=micro_batch_size * run.seq_len * world_size * accumulation,
-                                batch_warmup_tokens=None, batch_warmup_start_tokens=None)  # same micro-batch
+                                batch_warmup_tokens=None, batch_warmup_start_tokens=None,  # same micro-batch
+                                log_interval=1)
     return longest_stage_run(dataclasses.replace(run, train=train))
 
 

@@ -29,6 +29,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     import torch
 
     from nanopt.devices import device_peak_flops
+    from nanopt.train.health_probe import HealthProbe
     from nanopt.train.parallel import resolve_compile
     from nanopt.train.session import build_session
     from nanopt.train.step import step
@@ -40,6 +41,8 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     session, status, detail, times = None, "ok", "", []
     try:
         session = build_session(run, rt, writes=False)
+        if run.train.health:  # the probe training runs at log steps (every trial step is one: search.trial_run)
+            session.health_probe = HealthProbe(session.prepared.raw, session.optimizer, rt)
         for _ in range(steps):
             started = time.perf_counter()
             step(session)
