@@ -369,3 +369,22 @@ def test_a_trial_steps_as_the_run_will_so_accumulation_counts_the_gradients(tmp_
     limit = one_a_step.total(8)
     assert one_a_step.max_micro_batch(limit) == 8
     assert predict_micro_batch(accumulating, 1, "bf16", False, limit) < 8
+
+
+# Wide and shallow, one short sequence a micro-batch: 50.9M parameters (203 MB of fp32 weights) against a few MB of
+# activations, so a log step's update, where run health copies the weights, is the trial's peak.
+WIDE_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 3, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "max_position_embeddings": 32}
+
+
+def test_a_trial_measures_the_log_steps_copy_of_the_weights_that_run_health_takes(tmp_path: Path,
+                                                                                  tiny_dataset: Path, cli_on_cpu):
+    from nanopt.config import load_run
+    from nanopt.model.flops import count_params
+
+    run = make_run(tmp_path, tiny_dataset, model=WIDE_MODEL, micro_batch_size=1, global_batch_tokens=32)
+    params = count_params(load_run(run).model).total
+    peaks = {health: find_batch_json(cli_on_cpu, run, "--max-memory", "8GiB", "--start", "1", "--max", "1",
+                                     "--set", f"health={health}")["trials"][0]["peak_memory_bytes"]
+             for health in ("true", "false")}
+    assert peaks["true"] - peaks["false"] == pytest.approx(4 * params, rel=0.15), (peaks, 4 * params)

@@ -21,6 +21,7 @@ from nanopt.train.shape_schedule import longest_stage_run
 
 DEFAULT_MAX = 1024
 MIN_STEPS = 3
+LOG_EVERY = 2  # a trial's log steps (trial_run): one within MIN_STEPS, and a step after it that is not one
 MAX_MICRO_BATCH = 1 << 20
 MAX_TRIAL_STEPS = 10_000
 MAX_TRIAL_TIMEOUT_S = 7 * 24 * 3600.0  # a week
@@ -221,14 +222,15 @@ def trial_run(run: RunConfig, micro_batch_size: int, world_size: int) -> RunConf
     run accumulates, one where it does not. Accumulating, the gradients stay allocated while the later
     micro-batches run forward (4 bytes a parameter, 4.6 GiB on a 1B model: more than the margin), so a trial of
     one micro-batch a step would pass sizes that run out of memory in training. Two show that peak; more would
-    only repeat it. Each step is a log step, whose update holds run health's copy of the weights. Under
+    only repeat it. Every second step is a log step, whose update holds run health's copy of the weights (the
+    trial's at least 3 steps: step 2 measures it, step 3 times a step as most steps are). Under
     sequence-length stages the trial runs the longest stage's shape (the same tokens a micro-batch, the largest
     attention): the size that fits there fits the whole run."""
     accumulation = 2 if micro_batch_size < run.sequences_per_rank(world_size) else 1
     train = dataclasses.replace(run.train, micro_batch_size=micro_batch_size,
                                 global_batch_tokens=micro_batch_size * run.seq_len * world_size * accumulation,
                                 batch_warmup_tokens=None, batch_warmup_start_tokens=None,  # same micro-batch
-                                log_interval=1)
+                                log_interval=LOG_EVERY)
     return longest_stage_run(dataclasses.replace(run, train=train))
 
 

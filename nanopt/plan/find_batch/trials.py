@@ -41,7 +41,7 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     session, status, detail, times = None, "ok", "", []
     try:
         session = build_session(run, rt, writes=False)
-        if run.train.health:  # the probe training runs at log steps (every trial step is one: search.trial_run)
+        if run.train.health:  # the probe training runs at log steps (a trial's: search.trial_run)
             session.health_probe = HealthProbe(session.prepared.raw, session.optimizer, rt)
         for _ in range(steps):
             started = time.perf_counter()
