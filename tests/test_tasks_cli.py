@@ -53,6 +53,20 @@ def test_two_runs_side_by_side_with_a_limit(trained: Path, task_data: Path, cli_
     assert f"{other} @ 4" in result.stdout and "centered" in result.stdout
 
 
+def test_a_comparison_reuses_a_runs_task_scores_whole(trained: Path, task_data: Path, cli_in_process):
+    """Scores reused from an earlier evaluation (the checkpoint's eval.json) are what was measured, every field."""
+    other = shutil.copytree(trained, trained.parent / "reused")
+    args = ("--tasks", "all", "--task-data", task_data, "--no-samples", "--tokens", "2k", "--json")
+    first = cli_in_process("eval", other, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    compared = cli_in_process("eval", other, trained, *args)
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    [again] = [r for r in json.loads(compared.stdout)["runs"] if r["run"] == str(other)]
+    fresh = json.loads(first.stdout)
+    assert again["reused"] and again["tasks"] == fresh["tasks"] and again["centered_mean"] == fresh["centered_mean"]
+    assert again["test_loss"] == fresh["test_loss"] and again["bits_per_byte"] == fresh["bits_per_byte"]
+
+
 def test_tasks_without_a_test_loss_need_no_dataset(trained: Path, task_data: Path, cli_in_process):
     result = cli_in_process("eval", trained, "--no-loss", "--no-samples", "--tasks", "lambada_openai",
                             "--task-data", task_data, "--json")

@@ -88,7 +88,8 @@ def _sample(sample: Any, index: int) -> dict[str, Any]:
 
 def _task(task: Any, where: str, timed: bool) -> dict[str, Any]:
     """A task's scores, as nanopt.evaluate.tasks and the harness write them: accuracy (and its variants) as
-    {value, stderr}, a perplexity, the centered accuracy, the examples scored and, for nanopt's, the seconds."""
+    {value, stderr}, a perplexity, the centered accuracy, the examples scored and, for nanopt's, its kind, chance
+    level, source, prompts cut at the context and seconds."""
     task = _object(task, where)
     checked: dict[str, Any] = {"acc": _metric(task, "acc", where)}
     for name in ("acc_norm", "acc_per_token"):
@@ -101,6 +102,13 @@ def _task(task: Any, where: str, timed: bool) -> dict[str, Any]:
                                "of": _text(task["centered"], "of", f"{where}.centered")}
     if task.get("n") is not None:
         checked["n"] = _count(task, "n", where=where)
+    for key in ("kind", "source"):  # nanopt's own: the task's kind and where its examples came from
+        if key in task:
+            checked[key] = _text(task, key, where)
+    if "chance" in task:
+        checked["chance"] = _number(task, "chance", where)
+    if "truncated" in task:
+        checked["truncated"] = _count(task, "truncated", where=where)
     if timed:
         checked["seconds"] = _number(task, "seconds", where)
     return checked
