@@ -290,3 +290,4 @@ def test_a_reused_result_takes_only_what_was_measured_and_works_out_the_rest(run
     assert reused["perplexity"] == pytest.approx(math.exp(2.5))
     assert reused["bits_per_byte"] == pytest.approx(2.5 / math.log(2) / fresh["bytes_per_token"])
     assert reused["parameters"] == fresh["parameters"] and reused["train_sessions"] == fresh["train_sessions"]
+    assert set(reused) - {"reused"} == set(fresh)  # every field a fresh result has
