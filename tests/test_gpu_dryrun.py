@@ -217,8 +217,8 @@ for name in ("is_available", "device_count", "get_device_name", "get_device_prop
 if hasattr(torch._C, "_cuda_getDeviceCount"):  # a CUDA build (on a CPU build, adding it would fake one)
     torch._C._cuda_getDeviceCount = refuse("_cuda_getDeviceCount")
 sys.path[:0] = sys.argv[1:]
-from gpusession import isolation
-isolation.preload()
+from gpusession import session
+session.preload()
 for name in ("nanopt.cli", "nanopt.train.loop", "torch._dynamo", "typer._adapters", "nanopt.data.loader",
              "nanopt.model.transformer", "nanopt.train.exit_hook", "matplotlib.pyplot", "faulthelp"):
     importlib.import_module(name)  # what tests/faulthelp.py's launcher imports before it forks the GPU tests

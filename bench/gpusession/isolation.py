@@ -224,23 +224,6 @@ def run_nanopt(*args: str) -> tuple[int, str]:
 # ------------------------------------------------------------------------------------------- the parent
 
 
-def preload() -> None:
-    """Import torch and what the steps use once, so that each forked step starts in milliseconds instead of
-    seconds. Importing initializes no CUDA (the parent must never touch the device: a forked child could then not
-    use it; gpu_session.sh also sets PYTORCH_NVML_BASED_CUDA_CHECK=1, so even is_available() would not)."""
-    for path in (str(REPO), str(BENCH)):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    import bench_train  # noqa: F401  (torch, torch._dynamo, the model, the step, the baseline)
-    import torch
-
-    import gpusession.steps  # noqa: F401  (every step's module)
-    import nanopt.cli  # noqa: F401
-
-    if torch.cuda.is_initialized():  # an import touched the device: forked steps could not use it
-        raise RuntimeError("CUDA was initialized while importing; run with --isolation spawn")
-
-
 def start_spawned(argv: list[str], log: Path) -> int:
     """A fresh interpreter (`--isolation spawn`), its own session, its output appended to `log`."""
     with open(log, "a") as f:
