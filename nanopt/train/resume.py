@@ -184,15 +184,14 @@ def _verified_import(path: Path) -> ckpt.Checkpoint:
 
 
 def _imported_start(s: Session) -> Path | None:
-    """The run's imported model: step 0, a weights-only checkpoint with `imported_from` in its meta.json."""
-    for path in ckpt.complete_checkpoints(s.run.run_dir)[:1]:
-        try:
-            meta = ckpt.read_meta(path / "meta.json")
-        except CheckpointError:
-            return None
-        if ckpt.step_of(path) == 0 and isinstance(meta, dict) and meta.get("imported_from"):
-            return path
-    return None
+    """The run's imported model: its oldest checkpoint, when that is step 0 and `nanopt import`'s."""
+    oldest = ckpt.complete_checkpoints(s.run.run_dir)[:1]
+    if not oldest or ckpt.step_of(oldest[0]) != 0:
+        return None
+    try:
+        return oldest[0] if ckpt.is_imported(ckpt.read_meta(oldest[0] / "meta.json")) else None
+    except CheckpointError:
+        return None
 
 
 def _move_aside(s: Session, keep: Path | None) -> None:

@@ -33,6 +33,7 @@ from nanopt.train.checkpoint.meta import (
     check_meta,
     checkpoints_dir,
     flatten_optimizer_state,
+    is_imported,
     read_meta,
     read_pointer,
     sha256,
@@ -65,8 +66,8 @@ from nanopt.train.checkpoint.write import (
 
 __all__ = [
     "FORMAT_VERSION", "FULL", "SHARDED", "TOKENIZER_FILE", "Checkpoint", "abandon", "apply_retention", "begin",
-    "check_fits", "check_meta", "checkpoints_dir", "complete_checkpoints", "flatten_optimizer_state", "latest",
-    "load_model_state", "load_optimizer_state", "load_weights", "newest_valid", "publish", "read_meta",
+    "check_fits", "check_meta", "checkpoints_dir", "complete_checkpoints", "flatten_optimizer_state", "is_imported",
+    "latest", "load_model_state", "load_optimizer_state", "load_weights", "newest_valid", "publish", "read_meta",
     "read_pointer", "remove_stale_temporaries", "resolve", "save_tensors", "sha256", "step_dir_name", "step_dirs",
     "step_of", "unflatten_optimizer_state", "verify", "verify_discovered", "write_checkpoint", "write_full",
     "write_pointer",

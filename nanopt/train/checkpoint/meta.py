@@ -51,6 +51,12 @@ class Checkpoint:
         return snapshot_model(self.meta, bad_meta(self.path / "meta.json"))
 
 
+def is_imported(meta: Any) -> bool:
+    """Whether a checkpoint's meta.json is `nanopt import`'s model (a run's step 0): retention never deletes it, and
+    a fresh start of its run (`--resume none`) begins from it."""
+    return isinstance(meta, dict) and bool(meta.get("imported_from"))
+
+
 def checkpoints_dir(run_dir: Path) -> Path:
     return RunDir(run_dir).checkpoints
 

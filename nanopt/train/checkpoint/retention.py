@@ -12,7 +12,7 @@ from nanopt.errors import NanoptError
 from nanopt.files import remove_tree
 from nanopt.rundir import step_dir_name
 from nanopt.train.checkpoint.hold import is_held
-from nanopt.train.checkpoint.meta import checkpoints_dir, read_meta, read_pointer
+from nanopt.train.checkpoint.meta import checkpoints_dir, is_imported, read_meta, read_pointer
 from nanopt.train.checkpoint.read import complete_checkpoints
 from nanopt.train.checkpoint.write import remove_step_dir
 
@@ -29,7 +29,7 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
     # The imported model (nanopt import's step 0): re-downloading may not give it back (a revision gone, no
     # network), and a continued run is judged against it.
     doomed = [path for path in complete[:-max(1, keep)] if path.name not in protected
-              and not metas[path].get("imported_from") and not is_held(run_dir, path.name)]
+              and not is_imported(metas[path]) and not is_held(run_dir, path.name)]
     # Looked for again once each is renamed: a hold taken meanwhile gives it back (see hold's race note).
     return [path for path in doomed if remove_step_dir(path, spare=lambda name=path.name: is_held(run_dir, name))]
 
