@@ -257,7 +257,9 @@ MALFORMED = {
     "sample": ({"samples": [{"prompt": "a", "ended": True}]}, "samples[0].completion is None, not a string"),
     "tasks": ({"tasks": {"hellaswag": {"acc": {"value": "high"}}}}, "tasks.hellaswag.acc.value is 'high'"),
     "sources": ({"sources": {"web": {"test_loss": 1.0, "tokens": 3}}}, "it scored the sources ['web']"),
-    "device": ({"device": ["cuda"] * 50}, "device is ['cuda', 'cuda', 'cuda', 'cuda', 'cud..., not a string"),
+    "device": ({"device": ["cuda"] * 50}, "device is ['cuda', 'cuda', 'cuda', 'cuda', 'cuda',... (400 characters), "
+                                          "not a string"),
+    "loss-huge": ({"test_loss": 10 ** 400}, "test_loss is an integer of about 401 digits, not a finite number"),
 }
 
 

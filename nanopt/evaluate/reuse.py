@@ -11,15 +11,15 @@ a check is not reused: the checkpoint is evaluated again, with a note saying why
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from nanopt.errors import CheckpointError
 from nanopt.evaluate.history import read_history, with_settings
-from nanopt.parsing import read_json
+from nanopt.parsing import read_json, show_value
 from nanopt.rundir import EVAL_FILE
 from nanopt.train.checkpoint import Checkpoint
+from nanopt.train.meta_fields import is_int, is_number
 
 
 class NotReusable(ValueError):
@@ -44,7 +44,7 @@ def measured(stored: dict[str, Any], tokens: int, sources: list[str]) -> dict[st
     targets this evaluation scores, which the stored one must have scored too; `sources`: the names of the
     mixture's sources (none for one dataset), each of which it must have scored."""
     if stored.get("tokens") != tokens:
-        raise NotReusable(f"it scored {_shown(stored.get('tokens'))} tokens, this evaluation {tokens:,}")
+        raise NotReusable(f"it scored {show_value(stored.get('tokens'))} tokens, this evaluation {tokens:,}")
     part = {"test_loss": _number(stored, "test_loss"), "tokens": tokens,
             "eval_seconds": _number(stored, "eval_seconds"),
             "micro_batch_size": _count(stored, "micro_batch_size", low=1),
@@ -54,8 +54,8 @@ def measured(stored: dict[str, Any], tokens: int, sources: list[str]) -> dict[st
             "samples": [_sample(sample, i) for i, sample in enumerate(_list(stored, "samples"))]}
     stored_sources = {} if stored.get("sources") is None else _mapping(stored, "sources")
     if sorted(stored_sources) != sorted(sources):
-        raise NotReusable(f"it scored the sources {_shown(sorted(stored_sources))}, this dataset has "
-                          f"{_shown(sorted(sources))}")
+        raise NotReusable(f"it scored the sources {show_value(sorted(stored_sources))}, this dataset has "
+                          f"{show_value(sorted(sources))}")
     if sources:
         part["sources"] = {name: _source(source, name) for name, source in stored_sources.items()}
     if stored.get("tasks") is not None:
@@ -127,49 +127,43 @@ def _say(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _shown(value: Any) -> str:
-    """A stored value as a note quotes it: at most 40 characters of its repr (the file may hold anything)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _number(record: dict[str, Any], key: str, where: str = "", optional: bool = False,
             signed: bool = False) -> float | None:
     """A finite number (at least 0 unless `signed`): losses, seconds, scores."""
     value = record.get(key)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (value < 0 and not signed):
-        raise NotReusable(f"{_say(where, key)} is {_shown(value)}, not a finite number" + ("" if signed else " >= 0"))
+    if not is_number(value) or (value < 0 and not signed):
+        raise NotReusable(f"{_say(where, key)} is {show_value(value)}, not a finite number"
+                          + ("" if signed else " >= 0"))
     return float(value)
 
 
 def _count(record: Any, key: str, low: int = 0, where: str = "") -> int:
     value = record.get(key) if isinstance(record, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise NotReusable(f"{_say(where, key)} is {_shown(value)}, not a whole number >= {low}")
+    if not is_int(value, low):
+        raise NotReusable(f"{_say(where, key)} is {show_value(value)}, not a whole number >= {low}")
     return value
 
 
 def _text(record: Any, key: str, where: str = "") -> str:
     value = record.get(key) if isinstance(record, dict) else None
     if not isinstance(value, str):
-        raise NotReusable(f"{_say(where, key)} is {_shown(value)}, not a string")
+        raise NotReusable(f"{_say(where, key)} is {show_value(value)}, not a string")
     return value
 
 
 def _flag(record: dict[str, Any], key: str, where: str = "") -> bool:
     value = record.get(key)
     if not isinstance(value, bool):
-        raise NotReusable(f"{_say(where, key)} is {_shown(value)}, not true or false")
+        raise NotReusable(f"{_say(where, key)} is {show_value(value)}, not true or false")
     return value
 
 
 def _list(record: dict[str, Any], key: str) -> list[Any]:
     value = record.get(key)
     if not isinstance(value, list):
-        raise NotReusable(f"{key} is {_shown(value)}, not a list")
+        raise NotReusable(f"{key} is {show_value(value)}, not a list")
     return value
 
 
@@ -179,5 +173,5 @@ def _mapping(record: dict[str, Any], key: str) -> dict[str, Any]:
 
 def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise NotReusable(f"{where} is {_shown(value)}, not an object")
+        raise NotReusable(f"{where} is {show_value(value)}, not an object")
     return value
