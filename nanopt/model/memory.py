@@ -284,16 +284,13 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     muon_params = hidden_matrix_params(cfg) if optimizer == "muon" else 0
     states = states_only(count_params(cfg).total, world_size, activations_per_sequence=forward,
                          muon_params=muon_params, parallelism=parallelism,
-                         adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8)
+                         adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8, health=health)
     gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
-    # Offloaded, run health's copy of the weights (a log step's) is in host memory, as they are.
-    host_copy = math.ceil(4 * count_params(cfg).total / world_size) if parallelism in OFFLOADED else 0
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
                                weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
                                seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
-                               recompute_per_sequence=backward, health_snapshot=states.weights if health else 0,
-                               host=states.host + (host_copy if health else 0))
+                               recompute_per_sequence=backward)
 
 
 SELECTIVE = "selective"
@@ -356,17 +353,19 @@ ADAM_8BIT_BYTES = 2 + 2 * 4 / 256
 
 
 def states_only(params: int, shard: int = 1, activations_per_sequence: int = 0, muon_params: int = 0,
-                parallelism: str = "fsdp", adam_bytes: float = 8) -> MemoryEstimate:
+                parallelism: str = "fsdp", adam_bytes: float = 8, health: bool = False) -> MemoryEstimate:
     """fp32 weights and gradients (4 bytes each per parameter) and AdamW's two moments (8), or Muon's one momentum
     buffer (4) for the `muon_params` it updates, over `shard` ranks as `parallelism` spreads them (SHARDED_STATES),
-    plus the runtime overhead: all that can be said from a bare parameter count."""
+    with run `health`'s copy of the weights at a log step's update, plus the runtime overhead: all that can be said
+    from a bare parameter count."""
     optimizer = adam_bytes * (params - muon_params) + 4 * muon_params
     weights, gradients, states = (math.ceil(total / (shard if sharded else 1)) for total, sharded
                                   in zip((4 * params, 4 * params, optimizer), SHARDED_STATES[parallelism],
                                          strict=True))
+    snapshot = weights if health else 0
     host = 0
-    if parallelism in OFFLOADED:
-        host, weights, gradients, states = weights + gradients + states, 0, 0, 0
+    if parallelism in OFFLOADED:  # everything, the copy too, in host memory
+        host, weights, gradients, states, snapshot = weights + gradients + states + snapshot, 0, 0, 0, 0
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=states,
                           activations_per_sequence=activations_per_sequence, runtime_overhead=RUNTIME_OVERHEAD_BYTES,
-                          host=host)
+                          host=host, health_snapshot=snapshot)
