@@ -1,7 +1,8 @@
 """The sharded checkpoint's `.metadata` index is a pickle (torch.distributed.checkpoint's format): nanopt reads it
-with an unpickler that resolves exact (module, name) pairs only. These tests craft indexes the way an attacker
-would (dotted names through GLOBAL and STACK_GLOBAL, the extension registry, persistent ids) and walk every
-attribute reachable from the modules the allowed names live in, to show that nothing outside the pairs resolves."""
+with an unpickler that resolves exact (module, name) pairs only, each to a stand-in. These tests craft indexes the
+way an attacker would (dotted names through GLOBAL and STACK_GLOBAL, the extension registry, persistent ids) and
+walk every attribute reachable from the modules the allowed names live in, to show that nothing outside the pairs
+resolves."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from nanopt.errors import CheckpointError
-from nanopt.train import sharded
+from nanopt.train import shard_index, sharded
 
-ALLOWED_MODULES = sorted({module for module, _ in sharded._INDEX_GLOBALS})
+ALLOWED_MODULES = sorted({module for module, _ in shard_index.INDEX_GLOBALS})
 
 
 def _short(text: str) -> bytes:
@@ -52,15 +53,16 @@ def real_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_real_index_reads_and_every_global_it_names_is_an_exact_pair(real_index: Path):
     named = []
 
-    class Recording(sharded._IndexUnpickler):
+    class Recording(shard_index.RecordingUnpickler):
         def find_class(self, module, name):
             named.append((module, name))
             return super().find_class(module, name)
 
-    index = Recording(io.BytesIO((real_index / sharded.METADATA_FILE).read_bytes())).load()
+    Recording(io.BytesIO((real_index / sharded.METADATA_FILE).read_bytes())).load()
+    index = shard_index.read_index(real_index)
     assert set(index.state_dict_metadata) >= {"model.w", "model.b", "optimizer.state.w.exp_avg"}
     assert named and all("." not in name for _, name in named)
-    assert all(pair in sharded._INDEX_GLOBALS or sharded._is_dtype_name(*pair) for pair in named)
+    assert all(pair in shard_index.INDEX_GLOBALS or shard_index.is_dtype_name(*pair) for pair in named)
 
 
 @pytest.mark.parametrize("payload", [global_payload, stack_global_payload])
@@ -87,11 +89,11 @@ def test_the_extension_registry_and_persistent_ids_resolve_nothing(tmp_path: Pat
         ext4 = b"\x80\x02\x84" + code.to_bytes(4, "little") + b"X" + len(f"touch {marker}").to_bytes(4, "little") \
             + f"touch {marker}".encode() + b"\x85R."
         with pytest.raises(pickle.UnpicklingError):
-            sharded._IndexUnpickler(io.BytesIO(ext4)).load()
+            shard_index.RecordingUnpickler(io.BytesIO(ext4)).load()
     finally:
         copyreg.remove_extension("os", "system", code)
     with pytest.raises(pickle.UnpicklingError):
-        sharded._IndexUnpickler(io.BytesIO(b"\x80\x02X\x01\x00\x00\x00xQ.")).load()  # BINPERSID
+        shard_index.RecordingUnpickler(io.BytesIO(b"\x80\x02X\x01\x00\x00\x00xQ.")).load()  # BINPERSID
     assert not marker.exists()
 
 
@@ -118,7 +120,7 @@ def _attribute_paths(root: object, depth: int) -> list[str]:
 @pytest.mark.parametrize("module", ALLOWED_MODULES)
 def test_nothing_reachable_from_an_allowed_module_resolves_but_the_exact_pairs(module: str):
     depth = 1 if module == "torch" else 2  # torch's second level is every function of every submodule: 10^6 names
-    unpickler = sharded._IndexUnpickler(io.BytesIO(b""))
+    unpickler = shard_index.RecordingUnpickler(io.BytesIO(b""))
     resolved = set()
     for path in _attribute_paths(importlib.import_module(module), depth):
         try:
@@ -126,7 +128,7 @@ def test_nothing_reachable_from_an_allowed_module_resolves_but_the_exact_pairs(m
         except pickle.UnpicklingError:
             continue
         resolved.add(path)
-    exact = {name for m, name in sharded._INDEX_GLOBALS if m == module}
+    exact = {name for m, name in shard_index.INDEX_GLOBALS if m == module}
     dtypes = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)} if module == "torch" \
         else set()
     assert resolved <= exact | dtypes

@@ -7,16 +7,12 @@ DCP reshards what each rank loads to its own layout. One process (eval, export) 
 straight into the model's own tensors, so memory stays at one copy of the weights.
 
 Only tensors go into the shards: the optimizer's parameter groups (and everything else that is not a tensor) are in
-meta.json. DCP's own `.metadata` index is a pickle; nanopt reads it with an unpickler that builds only the index's
-own classes (DCP's metadata dataclasses, torch.Size, dtypes, paths), so a crafted checkpoint cannot run code.
+meta.json. DCP's own `.metadata` index is a pickle: nanopt.train.shard_index reads it against stand-ins and builds
+the index itself from checked fields, so a crafted checkpoint can neither run code nor change a real object.
 """
 
 from __future__ import annotations
 
-import importlib
-import io
-import pickle
-import re
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,13 +22,10 @@ import torch
 
 from nanopt.errors import CheckpointError
 from nanopt.files import link_refused
+from nanopt.train.shard_index import METADATA_FILE, SHARD_FILE, read_index
 
 # torch.distributed.checkpoint is imported inside the functions that use it: it costs a process over a second to
 # import, and eval or export of a one-process checkpoint never needs it.
-
-METADATA_FILE = ".metadata"  # DCP's index of every tensor and the shard file holding each piece
-SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # one (or more) per rank: __<rank>_<n>.distcp
-
 
 def is_shard_file(name: str) -> bool:
     return name == METADATA_FILE or SHARD_FILE.fullmatch(name) is not None
@@ -132,7 +125,7 @@ def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
     None: this process alone reads it (no process group needed)."""
     import torch.distributed.checkpoint as dcp
 
-    index = _index(directory)  # read once: the same index is checked and then given to DCP
+    index = read_index(directory)  # read once: the same index is checked and then given to DCP
     _check_all_tensors(state, index, directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(single process|torch.distributed is disabled).*")
@@ -156,7 +149,7 @@ def load_model_weights(model: torch.nn.Module, directory: Path, aliases: dict[st
 def check_complete(directory: Path, files: list[str]) -> None:
     """CheckpointError unless DCP's index reads and every shard file it points to is among `files`: a shard written
     by a node whose disk the others cannot see would otherwise be missing only when someone resumes."""
-    index = _index(directory)
+    index = read_index(directory)
     needed = {info.relative_path for info in (index.storage_data or {}).values()}
     absent = sorted(needed - set(files))
     if absent:
@@ -168,23 +161,11 @@ def check_complete(directory: Path, files: list[str]) -> None:
 def stored_specs(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """{key: (shape, dtype name)} of every entry in the index, read without loading a shard; an entry stored as an
     object, not a tensor, has the dtype "object"."""
-    entries = getattr(_index(directory), "state_dict_metadata", None)
-    if not (isinstance(entries, dict) and all(isinstance(key, str) for key in entries)):
-        raise CheckpointError(f"{directory / METADATA_FILE}: its entries are not a table of names (not written by "
-                              "nanopt)", "use another checkpoint")
-    return {key: _spec(meta) for key, meta in entries.items()}
-
-
-def _spec(meta: Any) -> tuple[tuple[int, ...], str]:
-    """An index entry's shape and dtype; the fields of a crafted entry can hold any plain value, so each is
-    checked before it is believed."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if isinstance(meta, TensorStorageMetadata):
-        size, dtype = getattr(meta, "size", None), getattr(getattr(meta, "properties", None), "dtype", None)
-        if isinstance(size, torch.Size) and isinstance(dtype, torch.dtype):
-            return tuple(size), str(dtype).removeprefix("torch.")
-    return (), "object"
+    return {key: (tuple(meta.size), str(meta.properties.dtype).removeprefix("torch."))
+            if isinstance(meta, TensorStorageMetadata) else ((), "object")
+            for key, meta in read_index(directory).state_dict_metadata.items()}
 
 
 def _model_entries(directory: Path) -> dict[str, Any]:
@@ -192,66 +173,13 @@ def _model_entries(directory: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = "model."
-    return {key[len(prefix):]: meta for key, meta in _index(directory).state_dict_metadata.items()
+    return {key[len(prefix):]: meta for key, meta in read_index(directory).state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
 
 
-def _index(directory: Path) -> Any:
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-
-    path = directory / METADATA_FILE
-    try:
-        index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as exc:  # truncated, foreign or crafted: pickle, OSError, ... all mean "unreadable"
-        raise CheckpointError(f"{path}: not a readable shard index ({str(exc)[:120]})",
-                              "use another checkpoint") from None
-    if not isinstance(index, dcp_metadata.Metadata):
-        raise CheckpointError(f"{path}: not a shard index (it holds a {type(index).__name__})",
-                              "use another checkpoint")
-    return index
-
-
-# Every global a DCP index may name, as exact (module, name) pairs: DCP's metadata dataclasses, its storage info,
-# torch.Size and dtypes, the layout helper, paths. Never a whole module and never a dotted name: a protocol-4 pickle
-# resolves "os.system" inside any module that imports os, so allowing a module would allow everything it reaches.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_INDEX_GLOBALS = frozenset({
-    *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
-                                         "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
-                                         "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-})
-
-
-def _is_dtype_name(module: str, name: str) -> bool:
-    """("torch", "bfloat16") and the like: a plain attribute of torch that is a dtype (a value, not a callable)."""
-    return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # vars: no lazy __getattr__ import
-
-
-def index_global(module: str, name: str) -> Any:
-    """The object an index's (module, name) global names, if it is one of the exact pairs above; else refused."""
-    if not ((module, name) in _INDEX_GLOBALS or _is_dtype_name(module, name)):
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a shard index")
-    found = getattr(importlib.import_module(module), name, None)
-    if found is None:  # an older or newer torch without this class: the index cannot be one of its own
-        raise pickle.UnpicklingError(f"{module}.{name} does not exist in this torch")
-    return found
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Builds only what DCP's index is made of. Every opcode that names a global (GLOBAL, STACK_GLOBAL, the
-    extension registry's EXT1/2/4) comes through find_class, and persistent ids are refused by the base class, so
-    reading a crafted `.metadata` cannot reach os.system, builtins.eval or anything else that runs code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        return index_global(module, name)
-
-
 def _index_checking_reader(directory: Path, index: Any) -> Any:
-    """DCP's file reader, answering with `index` (read by _IndexUnpickler, and checked) instead of unpickling the
-    file again without restriction."""
+    """DCP's file reader, answering with `index` (read_index's, built from checked fields) instead of unpickling
+    the file again without restriction."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
