@@ -47,14 +47,33 @@ def example_lines(text: str) -> list[str]:
     return [line.strip() for line in lines if re.match(r"\s*(nanopt |torchrun .* -m nanopt )", line)]
 
 
-COPY = re.compile(r"^\s*cp -r (runs/\S+) (runs/\S+)", re.M)
+COPY = re.compile(r"^\s*mkdir (runs/\S+) && cp (runs/\S+)/model\.json \2/train\.json \1/", re.M)
+
+
+def copy_lines() -> list[str]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return [line.split("#")[0].strip() for line in text.splitlines() if COPY.match(line)]
 
 
 def copied_runs() -> dict[Path, Path]:
-    """Run directories a README block makes with `cp -r runs/demo runs/mine` (the "your own data" quickstart): the
-    copy, and the shipped run it copies, for its later examples."""
+    """Run directories a README block makes by copying a shipped run's settings (`mkdir runs/mine && cp
+    runs/demo/model.json runs/demo/train.json runs/mine/`): the copy, and the run it copies, for its later examples."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    return {Path(target): Path(source) for source, target in COPY.findall(text)}
+    return {Path(target): Path(source) for target, source in COPY.findall(text)}
+
+
+def test_the_readme_copies_a_runs_settings_and_never_its_checkpoints(tmp_path: Path):
+    """After `make demo` runs/demo holds checkpoints: a copy that took them would be refused as a new run."""
+    demo = tmp_path / "runs" / "demo"
+    (demo / "checkpoints" / "step-000010").mkdir(parents=True)
+    for name in ("model.json", "train.json", "metrics.jsonl", "eval_history.jsonl"):
+        (demo / name).write_text("{}")
+    lines = copy_lines()
+    assert len(lines) >= 2 and not re.search(r"^\s*cp -r runs/", (REPO / "README.md").read_text(), re.M)
+    for line in lines:
+        subprocess.run(["bash", "-c", line], cwd=tmp_path, check=True)
+    for target in copied_runs():
+        assert sorted(p.name for p in (tmp_path / target).iterdir()) == ["model.json", "train.json"], target
 
 
 def cli_group() -> click.Group:
