@@ -22,14 +22,16 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from nanopt.cli.helptext import App, HelpGroup
 from nanopt.cli.rank_errors import hand_to_launcher
 from nanopt.cli.terminal import SafeConsole
 from nanopt.errors import DistributedError, NanoptError
 from nanopt.runtime import ranks
 from nanopt.shown import printable
 
-app = typer.Typer(
+app = App(
     name="nanopt",
+    cls=HelpGroup,
     help="Pretrain decoder-only language models with PyTorch: estimate, tokenize, find-batch, profile, preflight, "
          "train, eval, export, and import from transformers.\n\n"
          "Quick start: `make demo` (CPU, built-in corpus), or see README.md for a GPU run.",

@@ -13,42 +13,13 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.estimate_ladder import checkpointing_words, print_compared, print_ladder
+from nanopt.cli.helptext import epilog
 from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.errors import ConfigError
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU
 
-EPILOG = """
-Examples:
-
-  nanopt estimate runs/gpt2-small
-
-  nanopt estimate runs/llama-3.2-1b --gpu h100-sxm --num-gpus 8 --mfu 0.45 --price-per-hour 2.50
-
-  nanopt estimate runs/smollm-360m --hours 24          # how many tokens fit in a day?
-
-  nanopt estimate --params 7e9 --gpu a100-80gb --num-gpus 64
-
-  nanopt estimate runs/gpt2-small --gpu-memory 40GiB --json
-
-  nanopt estimate runs/gpt2-small --gpu l40s --hours 12   # short names work too: --gpu h100, a100, 4090
-
-  nanopt estimate runs/demo --gpu cpu                      # this machine: its cores' peak, its memory
-
-  nanopt estimate runs/llama-3.2-1b --gpu rtx-4090        # too big? says what fits: FSDP on N GPUs, checkpointing
-
-  nanopt estimate runs/demo                                # after `nanopt preflight runs/demo`: what it measured
-
-  nanopt estimate runs/llama-3.2-1b --gpu rtx-4090 --num-gpus 8   # which layout fits on 1 to 64 GPUs; is mine one?
-
-  nanopt estimate --flops 1e21 --gpu h100 --num-gpus 8    # plan from a compute budget: the optimal model and tokens
-
-  nanopt estimate --flops 3e19 --family gpt2 --chinchilla-ratio 100 --write-model runs/new/model.json
-
-  nanopt estimate runs/smollm-360m --flops 1e20           # a model of this run's family (vocab, GQA, options)
-
-  nanopt estimate runs/gpt2-small --compare-gpus --num-gpus 8      # every GPU of the table, cheapest per token first
-
+ABOUT = """
 The memory ladder lists every rung at --num-gpus (parallelism ddp, zero1, zero2, fsdp, fsdp_offload, each with
 activation checkpointing off, selective, every 2nd block or all, and 8-bit AdamW moments for an AdamW run) with its
 memory per GPU and projected slowdown against DDP, and recommends the fastest that fits, with the --set options for
@@ -67,52 +38,73 @@ cost come from the measured tokens/s, and the table says so. Without --gpu, the 
 model of the family (layers, width, heads) whose exact parameter count is within 2% of N; --write-model saves it.
 """
 
+EXAMPLES = """
+nanopt estimate runs/gpt2-small
+nanopt estimate runs/llama-3.2-1b --gpu h100-sxm --num-gpus 8 --mfu 0.45 --price-per-hour 2.50
+nanopt estimate runs/smollm-360m --hours 24          # how many tokens fit in a day?
+nanopt estimate --params 7e9 --gpu a100-80gb --num-gpus 64
+nanopt estimate runs/gpt2-small --gpu-memory 40GiB --json
+nanopt estimate runs/gpt2-small --gpu l40s --hours 12   # short names work too: --gpu h100, a100, 4090
+nanopt estimate runs/demo --gpu cpu                      # this machine: its cores' peak, its memory
+nanopt estimate runs/llama-3.2-1b --gpu rtx-4090        # too big? says what fits: FSDP on N GPUs, checkpointing
+nanopt estimate runs/demo                                # after a preflight of runs/demo: what it measured
+nanopt estimate runs/llama-3.2-1b --gpu rtx-4090 --num-gpus 8   # which layout fits on 1 to 64 GPUs; is mine one?
+nanopt estimate --flops 1e21 --gpu h100 --num-gpus 8    # plan from a compute budget: the optimal model and tokens
+nanopt estimate --flops 3e19 --family gpt2 --chinchilla-ratio 100 --write-model runs/new/model.json
+nanopt estimate runs/smollm-360m --flops 1e20           # a model of this run's family (vocab, GQA, options)
+nanopt estimate runs/gpt2-small --compare-gpus --num-gpus 8      # every GPU of the table, cheapest per token first
+"""
 
-@app.command("estimate", epilog=EPILOG)
+# The option panels of --help, by job.
+HARDWARE, BUDGET = "Hardware and cost", "Model size and token budget"
+
+
+@app.command("estimate", epilog=epilog(ABOUT, EXAMPLES))
 def estimate_command(
-    run_dir: Path | None = typer.Argument(None, help="Run directory with model.json and train.json."),
-    params: float | None = typer.Option(None, "--params", help="Estimate from a parameter count instead "
-                                                                 "(e.g. 7e9); FLOPs use 6N."),
-    tokens: float | None = typer.Option(None, "--tokens", help="With --params: token budget (default: "
-                                                                 "Chinchilla-optimal)."),
-    gpu: str | None = typer.Option(None, "--gpu", help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
-                                                       f"({', '.join(ALIASES)}), with a note saying which card "
-                                                       f"it means; or {CPU}: this machine's processor (peak from "
-                                                       "its cores, clock and vector units) and memory, no price "
-                                                       "unless --price-per-hour. Default: the device of the run's "
-                                                       f"preflight.json, else {DEFAULT_GPU}."),
-    num_gpus: int | None = typer.Option(None, "--num-gpus", help="GPUs in the run (also the DDP / FSDP world size; "
-                                                                 "the parallelism table marks its row). "
-                                                                 "Default: the preflight's ranks when estimating for "
-                                                                 "its device, else 1."),
-    mfu: float | None = typer.Option(None, "--mfu", help="Model FLOPs utilization to assume, as a fraction of the "
-                                                         "peak: 0.4 means 40% (0 < MFU <= 1; a percentage such as 40 "
-                                                         "is refused). Default: the throughput `nanopt preflight` "
-                                                         f"measured for this run on this device, else "
-                                                         f"{DEFAULT_MFU:g}."),
-    price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour (default: "
-                                                                                  "train.json price_per_hour, else "
-                                                                                  "the table's typical price; none "
-                                                                                  "for --gpu cpu)."),
-    peak_tflops: float | None = typer.Option(None, "--peak-tflops", help="Dense peak TFLOP/s per GPU, "
-                                                                            "overriding the table."),
-    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Usable GPU memory, e.g. 40GiB (with --gpu "
-                                                                     "cpu: the memory training may use)."),
-    hours: float | None = typer.Option(None, "--hours", help="Inverse question: tokens that fit in H hours."),
-    chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", help="Chinchilla tokens per parameter "
-                                                                             "(with --flops: the D / N of the plan; "
-                                                                             "above 20 over-trains a smaller model)."),
-    flops: float | None = typer.Option(None, "--flops", help="Plan from a compute budget of C training FLOPs "
-                                                             "(e.g. 1e21): the compute-optimal parameters and "
-                                                             "tokens, and a model shape of that size."),
-    family: str | None = typer.Option(None, "--family", help="With --flops and no run directory: llama (default, "
-                                                             "Llama 3.2's vocabulary and grouping) or gpt2."),
-    write_model: Path | None = typer.Option(None, "--write-model", help="With --flops: write the planned model as "
-                                                                        "this new model.json."),
-    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    compare: bool = typer.Option(False, "--compare-gpus/--no-compare-gpus",
+    run_dir: Path | None = typer.Argument(None, metavar="RUN", help="Run directory with model.json and train.json."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    gpu: str | None = typer.Option(None, "--gpu", metavar="GPU", rich_help_panel=HARDWARE,
+                                   help=f"GPU from the table: {', '.join(GPUS)}; or a short name "
+                                   f"({', '.join(ALIASES)}), with a note saying which card it means; or {CPU}: this "
+                                   "machine's processor (peak from its cores, clock and vector units) and memory, no "
+                                   "price unless --price-per-hour. Default: the device of the run's preflight.json, "
+                                   f"else {DEFAULT_GPU}."),
+    num_gpus: int | None = typer.Option(None, "--num-gpus", metavar="N", rich_help_panel=HARDWARE,
+                                        help="GPUs in the run (also the DDP / FSDP world size; the parallelism table "
+                                        "marks its row). Default: the preflight's ranks when estimating for its "
+                                        "device, else 1."),
+    mfu: float | None = typer.Option(None, "--mfu", metavar="FRACTION", rich_help_panel=HARDWARE,
+                                     help="Model FLOPs utilization to assume, as a fraction of the peak: 0.4 means "
+                                     "40% (0 < MFU <= 1; a percentage such as 40 is refused). Default: the throughput "
+                                     f"`nanopt preflight` measured for this run on this device, else {DEFAULT_MFU:g}."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", metavar="USD", rich_help_panel=HARDWARE,
+                                                help="USD per GPU-hour (default: train.json price_per_hour, else the "
+                                                "table's typical price; none for --gpu cpu)."),
+    peak_tflops: float | None = typer.Option(None, "--peak-tflops", metavar="TFLOPS", rich_help_panel=HARDWARE,
+                                             help="Dense peak TFLOP/s per GPU, overriding the table."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", metavar="SIZE", rich_help_panel=HARDWARE,
+                                          help="Usable GPU memory, e.g. 40GiB (with --gpu cpu: the memory training "
+                                          "may use)."),
+    compare: bool = typer.Option(False, "--compare-gpus/--no-compare-gpus", rich_help_panel=HARDWARE,
                                  help="Also the run on --num-gpus of every GPU in the table: the ladder's rung for "
                                       "each, time, cost and dollars per million tokens, cheapest first."),
+    params: float | None = typer.Option(None, "--params", metavar="N", rich_help_panel=BUDGET,
+                                        help="Estimate from a parameter count instead (e.g. 7e9); FLOPs use 6N."),
+    tokens: float | None = typer.Option(None, "--tokens", metavar="N", rich_help_panel=BUDGET,
+                                        help="With --params: token budget (default: Chinchilla-optimal)."),
+    hours: float | None = typer.Option(None, "--hours", metavar="HOURS", rich_help_panel=BUDGET,
+                                       help="Inverse question: the tokens that fit in this many hours."),
+    chinchilla_ratio: float = typer.Option(20.0, "--chinchilla-ratio", metavar="RATIO", rich_help_panel=BUDGET,
+                                           help="Chinchilla tokens per parameter (with --flops: the D / N of the "
+                                           "plan; above 20 over-trains a smaller model)."),
+    flops: float | None = typer.Option(None, "--flops", metavar="C", rich_help_panel=BUDGET,
+                                       help="Plan from a compute budget of C training FLOPs (e.g. 1e21): the "
+                                       "compute-optimal parameters and tokens, and a model shape of that size."),
+    family: str | None = typer.Option(None, "--family", metavar="llama|gpt2", rich_help_panel=BUDGET,
+                                      help="With --flops and no run directory: llama (default, Llama 3.2's "
+                                      "vocabulary and grouping) or gpt2."),
+    write_model: Path | None = typer.Option(None, "--write-model", metavar="FILE", rich_help_panel=BUDGET,
+                                            help="With --flops: write the planned model as this new model.json."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Params, FLOPs, Chinchilla budget, time, cost and memory per GPU for a run, before renting a GPU, and

@@ -13,11 +13,12 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
 from nanopt.cli.eval_tasks import harness_options, render_tasks, task_options
+from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
 
-EPILOG = """
+ABOUT = """
 The test split is never read by training (train) or its in-loop evaluation (val). By default its first 1,048,576
 tokens are scored (all of it if smaller; --tokens changes that), in the run's seq_len windows from the start of the
 split, the last one partial: the same tokens, so the same loss, on any number of ranks and any micro-batch size.
@@ -29,31 +30,6 @@ Results go to checkpoints/step-N/eval.json and runs/NAME/eval.json. With several
 same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn, and one PNG
 overlays the runs' train and validation loss against tokens (--chart; default: compare.png beside the first run,
 runs/compare.png for runs/a runs/b). A file that is not a chart nanopt drew is never replaced.
-
-Examples:
-
-  nanopt eval runs/demo
-
-  nanopt eval runs/demo --checkpoint best --prompt 'import os' --prompt 'Once upon a time' --seed 1
-
-  nanopt tokenize HuggingFaceFW/fineweb --config sample-10BT --tokenizer gpt2 --max-tokens 10M --out data/fineweb-gpt2
-
-  nanopt eval runs/gpt2-small --data data/fineweb-gpt2 --tokens all --no-samples --json   # same tokenizer
-
-  nanopt eval runs/gpt2-small --no-loss --prompt 'Once upon a time'   # samples only: no dataset needed
-
-  nanopt eval runs/gpt2-small runs/gpt2-medium runs/smollm-360m --price-per-hour 2.99   # best test loss first
-
-  nanopt eval runs/gpt2-small runs/gpt2-medium --chart gpt2-sizes.png   # their loss curves on one chart
-
-  nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
-
-  nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
-
-  nanopt eval runs/gpt2-small --tasks hellaswag --harness hellaswag --limit 500   # beside lm-evaluation-harness's
-  nanopt eval runs/demo --health      # verdicts and signals from metrics.jsonl, running or finished; health.png
-
-  nanopt eval runs/gpt2-small --watch --device cuda:7 --tasks hellaswag --limit 500   # each checkpoint as it lands
 
 --tasks scores each task's split as lm-evaluation-harness 0.4.x does (same datasets, prompts and metrics; acc,
 acc_norm per character, plus acc_per_token as llm.c and nanochat count it), from the hub, or with --task-data DIR
@@ -69,60 +45,90 @@ until it is done, and appends each result to RUN/eval_history.jsonl (also the la
 comparison and its chart read. Restarted, it skips what that history already holds.
 """
 
+EXAMPLES = """
+nanopt eval runs/demo
+nanopt eval runs/demo --checkpoint best --prompt 'import os' --prompt 'Once upon a time' --seed 1
+nanopt tokenize HuggingFaceFW/fineweb --config sample-10BT --tokenizer gpt2 --max-tokens 10M --out data/fineweb-gpt2
+nanopt eval runs/gpt2-small --data data/fineweb-gpt2 --tokens all --no-samples --json   # same tokenizer
+nanopt eval runs/gpt2-small --no-loss --prompt 'Once upon a time'   # samples only: no dataset needed
+nanopt eval runs/gpt2-small runs/gpt2-medium runs/smollm-360m --price-per-hour 2.99   # best test loss first
+nanopt eval runs/gpt2-small runs/gpt2-medium --chart gpt2-sizes.png   # their loss curves on one chart
+nanopt eval runs/llama-3.2-1b --nproc-per-node 8             # every rank evaluates a part
+nanopt eval runs/gpt2-small --tasks hellaswag,arc_easy --limit 500   # downstream tasks, zero-shot
+nanopt eval runs/gpt2-small --tasks hellaswag --harness hellaswag --limit 500   # beside lm-evaluation-harness's
+nanopt eval runs/demo --health      # verdicts and signals from metrics.jsonl, running or finished; health.png
+nanopt eval runs/gpt2-small --watch --device cuda:7 --tasks hellaswag --limit 500   # each checkpoint as it lands
+"""
+
 TOKENS_HELP = ("Test tokens to evaluate, over all ranks, e.g. 1M, 250k, 5e6, or all (default: 1,048,576, or the "
                "whole test split if smaller).")
+# The option panels of --help, by job.
+LOSS, SAMPLES, TASKS = "Loss and perplexity", "Samples", "Downstream tasks"
+COMPARE, WATCH, HEALTH = "Comparing runs", "Watching a run", "Run health"
 
 
-@app.command("eval", epilog=EPILOG)
+@app.command("eval", epilog=epilog(ABOUT, EXAMPLES))
 def eval_command(
-    run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to compare."),
-    checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
-    data: Path | None = typer.Option(None, "--data", help="Evaluate on this dataset's test split instead of the "
-                                                          "run's: a dataset directory made with the run's "
-                                                          "tokenizer."),
-    tokens: str = typer.Option("1048576", "--tokens", help=TOKENS_HELP),
-    micro_batch_size: int | None = typer.Option(None, "--micro-batch-size", min=1, help="Sequences per forward "
-                                                "pass (default: the run's micro_batch_size)."),
-    prompts: list[str] | None = typer.Option(None, "--prompt", help="Prompt to continue (repeatable; default: an "
-                                             "empty prompt (a new document), 'def' and 'The')."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
-    temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
-    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample from the k most likely tokens; 0: all."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed: the same seed gives the same text."),
-    no_samples: bool = typer.Option(False, "--no-samples/--samples", help="Skip generation (--samples: generate, "
-                                    "the default)."),
-    no_loss: bool = typer.Option(False, "--no-loss/--loss", help="Samples only, no test loss: needs no dataset (the "
-                                 "checkpoint carries its tokenizer) and writes no eval.json (--loss: measure it, "
-                                 "the default)."),
-    price_per_hour: float | None = typer.Option(None, "--price-per-hour", min=0.0, help="USD per GPU-hour, for "
-                                                "the training cost: price x GPUs (ranks) x training hours."),
-    chart: Path | None = typer.Option(None, "--chart", help="With several runs: the PNG overlaying their train "
-                                      "and validation loss against tokens (default: compare.png beside the first "
-                                      "run). Replaces only a chart nanopt drew."),
-    fresh: bool = typer.Option(False, "--fresh/--no-fresh", help="With several runs, evaluate each even if an "
-                               "eval.json for the same checkpoint and settings exists."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 starts "
-                                                                   "torchrun."),
-    tasks: str | None = typer.Option(None, "--tasks", help="Downstream tasks, comma-separated, scored as "
-                                     "lm-evaluation-harness scores them: hellaswag, arc_easy, arc_challenge, piqa, "
-                                     "lambada_openai, winogrande, or all."),
-    limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: the first N examples of each "
-                                     "task (default: all)."),
-    task_data: Path | None = typer.Option(None, "--task-data", help="With --tasks: read TASK.jsonl (or a "
-                                          "save_to_disk folder TASK/) from this directory instead of the hub."),
-    harness: str | None = typer.Option(None, "--harness", help="Also score these tasks (comma-separated, or all) "
-                                       "with lm-evaluation-harness itself, on the checkpoint exported to a "
-                                       "temporary directory; printed beside nanopt's. Needs pip install "
-                                       "\"nanopt[harness]\"."),
-    health: bool = typer.Option(False, "--health/--no-health", help="Only the run's health, from its metrics.jsonl "
-                                "(running or finished; no checkpoint, no GPU): verdicts, latest signals, and "
-                                "RUN/health.png charting them."),
-    watch: bool = typer.Option(False, "--watch/--no-watch", help="Score every new checkpoint of RUN as training "
-                               "writes it, in this process, until the run is complete or Ctrl-C; results go to "
-                               "eval_history.jsonl. E.g. nanopt eval runs/demo --watch --device cpu"),
-    poll: float = typer.Option(30.0, "--poll", help="With --watch: seconds between looks for new checkpoints."),
-    device: str | None = typer.Option(None, "--device", help="Evaluate on this device: cpu, cuda, cuda:1 "
-                                      "(default: this rank's GPU, else the CPU)."),
+    run_dirs: list[Path] = typer.Argument(..., metavar="RUN", help="One run directory, or several to compare."),
+    checkpoint: str = typer.Option("latest", "--checkpoint", metavar="CHECKPOINT", help="latest, best, or a "
+                                   "checkpoint directory."),
+    device: str | None = typer.Option(None, "--device", metavar="DEVICE", rich_help_panel=DEVICES_PANEL,
+                                      help="Evaluate on this device: cpu, cuda, cuda:1 (default: this rank's GPU, "
+                                      "else the CPU)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                       help="Processes (GPUs) on this node; > 1 starts torchrun."),
+    data: Path | None = typer.Option(None, "--data", metavar="DIR", rich_help_panel=LOSS, help="Evaluate on this "
+                                     "dataset's test split instead of the run's: a dataset directory made with the "
+                                     "run's tokenizer."),
+    tokens: str = typer.Option("1048576", "--tokens", metavar="N", rich_help_panel=LOSS, help=TOKENS_HELP),
+    micro_batch_size: int | None = typer.Option(None, "--micro-batch-size", min=1, metavar="N", rich_help_panel=LOSS,
+                                                help="Sequences per forward pass (default: the run's "
+                                                "micro_batch_size)."),
+    no_loss: bool = typer.Option(False, "--no-loss/--loss", rich_help_panel=LOSS, help="Samples only, no test loss: "
+                                 "needs no dataset (the checkpoint carries its tokenizer) and writes no eval.json "
+                                 "(--loss: measure it, the default)."),
+    prompts: list[str] | None = typer.Option(None, "--prompt", metavar="TEXT", rich_help_panel=SAMPLES,
+                                             help="Prompt to continue (repeatable; default: an empty prompt (a new "
+                                             "document), 'def' and 'The')."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, metavar="N", rich_help_panel=SAMPLES,
+                                       help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, metavar="TEMP", rich_help_panel=SAMPLES,
+                                      help="Sampling temperature; 0 is greedy."),
+    top_k: int = typer.Option(50, "--top-k", min=0, metavar="K", rich_help_panel=SAMPLES,
+                              help="Sample from the k most likely tokens; 0: all."),
+    seed: int = typer.Option(0, "--seed", metavar="N", rich_help_panel=SAMPLES,
+                             help="Sampling seed: the same seed gives the same text."),
+    no_samples: bool = typer.Option(False, "--no-samples/--samples", rich_help_panel=SAMPLES, help="Skip generation "
+                                    "(--samples: generate, the default)."),
+    tasks: str | None = typer.Option(None, "--tasks", metavar="TASKS", rich_help_panel=TASKS, help="Downstream "
+                                     "tasks, comma-separated, scored as lm-evaluation-harness scores them: "
+                                     "hellaswag, arc_easy, arc_challenge, piqa, lambada_openai, winogrande, or all."),
+    limit: int | None = typer.Option(None, "--limit", min=1, metavar="N", rich_help_panel=TASKS,
+                                     help="With --tasks: the first N examples of each task (default: all)."),
+    task_data: Path | None = typer.Option(None, "--task-data", metavar="DIR", rich_help_panel=TASKS, help="With "
+                                          "--tasks: read TASK.jsonl (or a save_to_disk folder TASK/) from this "
+                                          "directory instead of the hub."),
+    harness: str | None = typer.Option(None, "--harness", metavar="TASKS", rich_help_panel=TASKS, help="Also score "
+                                       "these tasks (comma-separated, or all) with lm-evaluation-harness itself, on "
+                                       "the checkpoint exported to a temporary directory; printed beside nanopt's. "
+                                       "Needs pip install \"nanopt[harness]\"."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", min=0.0, metavar="USD",
+                                                rich_help_panel=COMPARE, help="USD per GPU-hour, for the training "
+                                                "cost: price x GPUs (ranks) x training hours."),
+    chart: Path | None = typer.Option(None, "--chart", metavar="FILE", rich_help_panel=COMPARE, help="With several "
+                                      "runs: the PNG overlaying their train and validation loss against tokens "
+                                      "(default: compare.png beside the first run). Replaces only a chart nanopt "
+                                      "drew."),
+    fresh: bool = typer.Option(False, "--fresh/--no-fresh", rich_help_panel=COMPARE, help="With several runs, "
+                               "evaluate each even if an eval.json for the same checkpoint and settings exists."),
+    watch: bool = typer.Option(False, "--watch/--no-watch", rich_help_panel=WATCH, help="Score every new checkpoint "
+                               "of RUN as training writes it, in this process, until the run is complete or Ctrl-C; "
+                               "results go to eval_history.jsonl. E.g. nanopt eval runs/demo --watch --device cpu"),
+    poll: float = typer.Option(30.0, "--poll", metavar="SECONDS", rich_help_panel=WATCH,
+                               help="With --watch: seconds between looks for new checkpoints."),
+    health: bool = typer.Option(False, "--health/--no-health", rich_help_panel=HEALTH, help="Only the run's health, "
+                                "from its metrics.jsonl (running or finished; no checkpoint, no GPU): verdicts, latest "
+                                "signals, and RUN/health.png charting them."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the results as JSON."),
 ) -> None:
     """Held-out test loss, perplexity and bits per byte of a checkpoint, with samples; several runs: a table."""

@@ -10,34 +10,34 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.helptext import epilog
 from nanopt.rundir import RunDir
 
-EPILOG = """
+ABOUT = """
 The model is rebuilt from the checkpoint's own config snapshot; the tokenizer is the tokenizer.json the checkpoint
 carries, so no dataset is needed (checkpoints written before they carried one: the run's dataset, or --data, which
 must use the same tokenizer). llama runs become LlamaForCausalLM, gpt2 runs GPT2LMHeadModel, with fp32 weights.
 Files and directories get the permissions a plain mkdir / open gives them (the umask), so others can read them.
+"""
 
-Examples:
-
-  nanopt train runs/demo                                    # the run: checkpoints at steps 800 and 1200
-
-  nanopt export runs/demo                                   # writes runs/demo/export
-
-  nanopt export runs/demo --checkpoint runs/demo/checkpoints/step-000800 --out /tmp/demo-800 --json
-
-  nanopt export runs/gpt2-small --checkpoint best --out exports/gpt2-small --force   # replaces an earlier export
+EXAMPLES = """
+nanopt train runs/demo                                    # the run: checkpoints at steps 800 and 1200
+nanopt export runs/demo                                   # writes runs/demo/export
+nanopt export runs/demo --checkpoint runs/demo/checkpoints/step-000800 --out /tmp/demo-800 --json
+nanopt export runs/gpt2-small --checkpoint best --out exports/gpt2-small --force   # replaces an earlier export
 """
 
 
-@app.command("export", epilog=EPILOG)
+@app.command("export", epilog=epilog(ABOUT, EXAMPLES))
 def export_command(
-    run_dir: Path = typer.Argument(..., help="Run directory with checkpoints."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Directory to write (default: RUN_DIR/export)."),
-    checkpoint: str = typer.Option("latest", "--checkpoint", help="latest, best, or a checkpoint directory."),
-    data: Path | None = typer.Option(None, "--data", help="Only for checkpoints that do not carry their tokenizer "
-                                                          "(older ones): take it from this dataset directory, made "
-                                                          "with the run's tokenizer."),
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with checkpoints."),
+    out: Path | None = typer.Option(None, "--out", "-o", metavar="DIR", help="Directory to write (default: "
+                                    "RUN/export)."),
+    checkpoint: str = typer.Option("latest", "--checkpoint", metavar="CHECKPOINT", help="latest, best, or a "
+                                   "checkpoint directory."),
+    data: Path | None = typer.Option(None, "--data", metavar="DIR", help="Only for checkpoints that do not carry "
+                                     "their tokenizer (older ones): take it from this dataset directory, made with "
+                                     "the run's tokenizer."),
     force: bool = typer.Option(False, "--force/--no-force", help="Replace an earlier export at --out (never "
                                "anything else)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print what was written as JSON."),

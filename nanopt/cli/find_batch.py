@@ -12,61 +12,63 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.estimate_ladder import checkpointing_words
+from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
 from nanopt.plan.find_batch.search import DEFAULT_MAX_TRIALS
 from nanopt.runtime import ranks
 
-EPILOG = """
-Examples:
-
-  nanopt find-batch runs/gpt2-small                           # this GPU, keeping 5% of its memory free
-
-  nanopt find-batch runs/gpt2-small --gpu-memory 40GiB        # what fits on a 40 GB card, asked on an 80 GB one
-
-  nanopt find-batch runs/llama-3.2-1b --nproc-per-node 8      # DDP / FSDP ranks agreeing on one size
-
-  nanopt find-batch runs/demo --max-memory 2GiB --max 64      # CPU: bound each trial's peak resident memory
-
-  nanopt find-batch runs/gpt2-small --write                   # then set train.json's micro_batch_size
-
-  nanopt find-batch runs/gpt2-small --max-trials 6            # a quicker answer: the largest that fit in 6 trials
-
-  nanopt find-batch runs/gpt2-small --set activation_checkpointing=true --json
+EXAMPLES = """
+nanopt find-batch runs/gpt2-small                           # this GPU, keeping 5% of its memory free
+nanopt find-batch runs/gpt2-small --gpu-memory 40GiB        # what fits on a 40 GB card, asked on an 80 GB one
+nanopt find-batch runs/llama-3.2-1b --nproc-per-node 8      # DDP / FSDP ranks agreeing on one size
+nanopt find-batch runs/demo --max-memory 2GiB --max 64      # CPU: bound each trial's peak resident memory
+nanopt find-batch runs/gpt2-small --write                   # then set train.json's micro_batch_size
+nanopt find-batch runs/gpt2-small --max-trials 6            # a quicker answer: the largest that fit in 6 trials
+nanopt find-batch runs/gpt2-small --set activation_checkpointing=true --json
 """
 
+# The option panels of --help, by job.
+SEARCH, MEMORY = "Search", "Memory limit"
 
-@app.command("find-batch", epilog=EPILOG)
+
+@app.command("find-batch", epilog=epilog("", EXAMPLES))
 def find_batch_command(
-    run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    start: int | None = typer.Option(None, "--start", help="First micro-batch to try; the search doubles from "
-                                     "it. Default: the memory model's prediction for this device, in steps of 25% "
-                                     "at first."),
-    maximum: int = typer.Option(1024, "--max", help="Largest micro-batch to try. Only sizes that divide the "
-                                                    "global batch exactly are tried."),
-    steps: int = typer.Option(3, "--steps", help="Optimizer steps per trial (>= 3: the optimizer state "
-                                                 "appears after the first; the rest are timed)."),
-    margin: float = typer.Option(0.05, "--margin", help="Keep this fraction of the memory limit free: a size "
-                                                        "fits only if its peak <= (1 - margin) x limit."),
-    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Cap the GPU at this much memory (e.g. "
-                                          "40GiB) to ask what fits on a smaller card."),
-    max_memory: str | None = typer.Option(None, "--max-memory", help="CPU only, and required there (nothing "
-                                          "runs out of memory on a CPU): the peak resident memory a trial "
-                                          "process may reach, Python and torch included, e.g. 4GiB."),
-    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one trial may take before it counts as "
-                                                            "failed."),
-    write: bool = typer.Option(False, "--write/--no-write", help="Set train.json's micro_batch_size to the result (see "
-                                                      "--pick); other keys are kept as they are."),
-    pick: str = typer.Option("best", "--pick", help="What --write writes: best (the fastest size that fits) or "
-                                                    "max (the largest that fits); either with an exact "
-                                                    "gradient accumulation for the configured global batch."),
-    max_trials: int = typer.Option(DEFAULT_MAX_TRIALS, "--max-trials", help="Stop after this many trials with "
-                                   "the largest size that fit so far (search_complete false in --json)."),
-    isolation: str = typer.Option("auto", "--isolation", help="Where a one-process search runs its trials: auto "
-                                  "(this process on a GPU without compile, an OOM caught and its memory freed; "
-                                  "else a fresh process per trial), process, or in-process."),
-    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun "
-                                                                   "and the ranks agree on every trial."),
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
+    write: bool = typer.Option(False, "--write/--no-write", help="Set train.json's micro_batch_size to the result "
+                               "(see --pick); other keys are kept as they are."),
+    pick: str = typer.Option("best", "--pick", metavar="best|max", help="What --write writes: best (the fastest "
+                             "size that fits) or max (the largest that fits); either with an exact gradient "
+                             "accumulation for the configured global batch."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    start: int | None = typer.Option(None, "--start", metavar="N", rich_help_panel=SEARCH, help="First micro-batch "
+                                     "to try; the search doubles from it. Default: the memory model's prediction for "
+                                     "this device, in steps of 25% at first."),
+    maximum: int = typer.Option(1024, "--max", metavar="N", rich_help_panel=SEARCH, help="Largest micro-batch to "
+                                "try. Only sizes that divide the global batch exactly are tried."),
+    steps: int = typer.Option(3, "--steps", metavar="N", rich_help_panel=SEARCH, help="Optimizer steps per trial "
+                              "(>= 3: the optimizer state appears after the first; the rest are timed)."),
+    max_trials: int = typer.Option(DEFAULT_MAX_TRIALS, "--max-trials", metavar="N", rich_help_panel=SEARCH,
+                                   help="Stop after this many trials with the largest size that fit so far "
+                                   "(search_complete false in --json)."),
+    timeout: float = typer.Option(1800.0, "--timeout", metavar="SECONDS", rich_help_panel=SEARCH,
+                                  help="Seconds one trial may take before it counts as failed."),
+    isolation: str = typer.Option("auto", "--isolation", metavar="auto|process|in-process", rich_help_panel=SEARCH,
+                                  help="Where a one-process search runs its trials: auto (this process on a GPU "
+                                  "without compile, an OOM caught and its memory freed; else a fresh process per "
+                                  "trial), process, or in-process."),
+    margin: float = typer.Option(0.05, "--margin", metavar="FRACTION", rich_help_panel=MEMORY, help="Keep this "
+                                 "fraction of the memory limit free: a size fits only if its peak <= (1 - margin) x "
+                                 "limit."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", metavar="SIZE", rich_help_panel=MEMORY,
+                                          help="Cap the GPU at this much memory (e.g. 40GiB) to ask what fits on a "
+                                          "smaller card."),
+    max_memory: str | None = typer.Option(None, "--max-memory", metavar="SIZE", rich_help_panel=MEMORY,
+                                          help="CPU only, and required there (nothing runs out of memory on a CPU): "
+                                          "the peak resident memory a trial process may reach, Python and torch "
+                                          "included, e.g. 4GiB."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                       help="Ranks on this node; > 1 starts torchrun and the ranks agree on every "
+                                       "trial."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Find the largest and the fastest micro-batch that fit, with real forward, backward and optimizer steps

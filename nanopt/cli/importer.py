@@ -13,8 +13,9 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.helptext import epilog
 
-EPILOG = """
+ABOUT = """
 SOURCE is a local directory saved by transformers' save_pretrained, or a hub name (config, tokenizer and safetensors
 files are downloaded; pickle weights never are, and a pickle-only model is refused). GPT-2 and Llama-shaped models
 (Llama, with Llama 3.1 / 3.2's llama3 RoPE scaling as model.json's rope_scaling; SmolLM; Qwen2 and Qwen3 without
@@ -27,20 +28,22 @@ the weights as float32 and the tokenizer. `nanopt train` starts from those weigh
 0. The weights are converted one tensor at a time: the import needs the interpreter and torch plus about twice the
 largest tensor in memory (753 MiB for 472M parameters, bench/RESULTS.md), and the checkpoint's size (4 bytes per
 parameter) on disk. A failed or interrupted import leaves no run directory.
+"""
 
-Examples:
-
-  nanopt import HuggingFaceTB/SmolLM2-135M --run runs/smol
-  nanopt import openai-community/gpt2 --run runs/gpt2 --revision main
-  nanopt import ./my-hf-model --run runs/mine --json
+EXAMPLES = """
+nanopt import HuggingFaceTB/SmolLM2-135M --run runs/smol
+nanopt import openai-community/gpt2 --run runs/gpt2 --revision main
+nanopt import ./my-hf-model --run runs/mine --json
 """
 
 
-@app.command("import", epilog=EPILOG)
+@app.command("import", epilog=epilog(ABOUT, EXAMPLES))
 def import_command(
-    source: str = typer.Argument(..., help="A hub name (owner/name) or a local transformers directory."),
-    run: Path = typer.Option(..., "--run", help="The run directory to create (must not exist)."),
-    revision: str | None = typer.Option(None, "--revision", help="Hub revision: a branch, tag or commit."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="A hub name (owner/name) or a local transformers "
+                                 "directory."),
+    run: Path = typer.Option(..., "--run", metavar="RUN", help="The run directory to create (must not exist)."),
+    revision: str | None = typer.Option(None, "--revision", metavar="REVISION", help="Hub revision: a branch, tag "
+                                        "or commit."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print what was imported as JSON."),
 ) -> None:
     """Import a transformers model into a new run directory for continued pretraining and evaluation."""

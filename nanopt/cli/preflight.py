@@ -12,26 +12,13 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.find_batch import seconds
+from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_asked
 from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.runtime import ranks, under_torchrun
 from nanopt.shown import shell_word
 
-EPILOG = """
-Examples:
-
-  nanopt preflight runs/demo                                  # CPU: 3 + 30 steps, 2 evaluations, 1 checkpoint
-
-  nanopt preflight runs/gpt2-small --price-per-hour 2.49      # your provider's price per GPU-hour
-
-  nanopt preflight runs/gpt2-small --find-batch               # the micro-batch find-batch picks, then measure it
-
-  nanopt preflight runs/demo --find-batch --max-memory 2GiB   # CPU: bound find-batch's trials
-
-  nanopt preflight runs/llama-3.2-1b --nproc-per-node 8       # on the ranks that will train
-
-  nanopt preflight runs/demo --steps 60 --json
-
+ABOUT = """
 Nothing of the run is touched (no checkpoint, no metrics.jsonl, no lock): the checkpoint is timed in a temporary
 directory beside the run directory, removed afterwards. It writes RUN/preflight.json (and with --find-batch the
 search's find_batch.json), which `nanopt estimate RUN` then uses for its time and cost. Exit status 0 when every
@@ -39,29 +26,45 @@ check passed, 3 when one failed (each is listed), 2 for a mistake to fix; so
 `nanopt preflight runs/demo && nanopt train runs/demo` trains only a run that passed.
 """
 
+EXAMPLES = """
+nanopt preflight runs/demo                                  # CPU: 3 + 30 steps, 2 evaluations, 1 checkpoint
+nanopt preflight runs/gpt2-small --price-per-hour 2.49      # your provider's price per GPU-hour
+nanopt preflight runs/gpt2-small --find-batch               # the micro-batch find-batch picks, then measure it
+nanopt preflight runs/demo --find-batch --max-memory 2GiB   # CPU: bound find-batch's trials
+nanopt preflight runs/llama-3.2-1b --nproc-per-node 8       # on the ranks that will train
+nanopt preflight runs/demo --steps 60 --json
+"""
 
-@app.command("preflight", epilog=EPILOG)
+# The option panels of --help, by job.
+MICRO_BATCH = "Micro-batch search"
+
+
+@app.command("preflight", epilog=epilog(ABOUT, EXAMPLES))
 def preflight_command(
     ctx: typer.Context,
-    run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    steps: int = typer.Option(30, "--steps", help="Optimizer steps measured, after --warmup."),
-    warmup: int = typer.Option(3, "--warmup", help="Steps run first and not measured: the optimizer state and "
-                                                   "torch.compile's first step (counted as setup when compiled)."),
-    find_batch: bool = typer.Option(False, "--find-batch/--no-find-batch", help="Measure the micro-batch "
-                                    "`nanopt find-batch` picks (the fastest that fits) instead of train.json's; its "
-                                    "search also writes find_batch.json."),
-    max_memory: str | None = typer.Option(None, "--max-memory", help="With --find-batch on a CPU, where it is "
-                                          "required: the peak resident memory a trial may reach, e.g. 4GiB."),
-    price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour for the cost "
-                                                "(default: train.json price_per_hour, else the GPU table's "
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
+    steps: int = typer.Option(30, "--steps", metavar="N", help="Optimizer steps measured, after --warmup."),
+    warmup: int = typer.Option(3, "--warmup", metavar="N", help="Steps run first and not measured: the optimizer "
+                               "state and torch.compile's first step (counted as setup when compiled)."),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", metavar="USD", help="USD per GPU-hour for "
+                                                "the cost (default: train.json price_per_hour, else the GPU table's "
                                                 "typical price; none on a CPU)."),
-    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node, as training will use; > 1 "
-                                                                   "starts torchrun."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Nodes, as training will use (passed to torchrun)."),
-    node_rank: int = typer.Option(0, "--node-rank", help="This node's rank (passed to torchrun)."),
-    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous: the "
-                                             "first node's, the same on every node (needed with --nnodes > 1)."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    find_batch: bool = typer.Option(False, "--find-batch/--no-find-batch", rich_help_panel=MICRO_BATCH,
+                                    help="Measure the micro-batch `nanopt find-batch` picks (the fastest that fits) "
+                                    "instead of train.json's; its search also writes find_batch.json."),
+    max_memory: str | None = typer.Option(None, "--max-memory", metavar="SIZE", rich_help_panel=MICRO_BATCH,
+                                          help="With --find-batch on a CPU, where it is required: the peak resident "
+                                          "memory a trial may reach, e.g. 4GiB."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                       help="Ranks on this node, as training will use; > 1 starts torchrun."),
+    nnodes: int = typer.Option(1, "--nnodes", metavar="N", rich_help_panel=DEVICES_PANEL,
+                               help="Nodes, as training will use (passed to torchrun)."),
+    node_rank: int = typer.Option(0, "--node-rank", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                  help="This node's rank (passed to torchrun)."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT",
+                                             rich_help_panel=DEVICES_PANEL, help="The rendezvous: the first node's, "
+                                             "the same on every node (needed with --nnodes > 1)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print preflight.json's contents instead of tables."),
 ) -> None:
     """Before paying for a run: real training steps on this machine, checked (the loss falls, memory is flat, the

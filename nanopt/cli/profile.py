@@ -12,43 +12,49 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
 from nanopt.cli.find_batch import seconds
+from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
 from nanopt.runtime import ranks
 
-EPILOG = """
-Examples:
-
-  nanopt profile runs/demo                                   # CPU: 1 + 2 + 3 steps, trace in runs/demo/profile/
-
-  nanopt profile runs/gpt2-small --steps 5 --record-shapes
-
-  nanopt profile runs/llama-3.2-1b --nproc-per-node 8        # every rank traced, rank 0 summarizes
-
-  nanopt profile runs/gpt2-small --set compile=false --json
-
+ABOUT = """
 Open runs/NAME/profile/trace.json in https://ui.perfetto.dev or chrome://tracing; runs/NAME/profile/tensorboard/
 holds the same trace for TensorBoard's PyTorch profiler plugin (tensorboard --logdir runs/NAME/profile/tensorboard,
 with the torch-tb-profiler package installed).
 """
 
+EXAMPLES = """
+nanopt profile runs/demo                                   # CPU: 1 + 2 + 3 steps, trace in runs/demo/profile/
+nanopt profile runs/gpt2-small --steps 5 --record-shapes
+nanopt profile runs/llama-3.2-1b --nproc-per-node 8        # every rank traced, rank 0 summarizes
+nanopt profile runs/gpt2-small --set compile=false --json
+"""
 
-@app.command("profile", epilog=EPILOG)
+# The option panels of --help, by job.
+STEPS, TRACE = "Steps profiled", "What the trace records"
+
+
+@app.command("profile", epilog=epilog(ABOUT, EXAMPLES))
 def profile_command(
-    run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    steps: int = typer.Option(3, "--steps", help="Steps recorded and summarized (the profiler's 'active')."),
-    wait: int = typer.Option(1, "--wait", help="Steps run first, unprofiled (optimizer state, compilation)."),
-    warmup: int = typer.Option(2, "--warmup", help="Steps profiled then discarded (profiler start-up)."),
-    record_shapes: bool = typer.Option(False, "--record-shapes/--no-record-shapes", help="Record operator input "
-                                       "shapes (a larger trace, more overhead)."),
-    profile_memory: bool = typer.Option(False, "--profile-memory/--no-profile-memory", help="Record allocations "
-                                        "in the trace (a larger trace, slower to write and summarize)."),
-    top: int = typer.Option(15, "--top", help="Operators / kernels to list."),
-    out: Path | None = typer.Option(None, "--out", help="Directory for the traces and summary.json (default: "
-                                                        "RUN_DIR/profile)."),
-    tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", help="Also write the trace into "
-                                     "OUT/tensorboard/ for TensorBoard's profiler plugin."),
-    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 starts torchrun."),
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
+    out: Path | None = typer.Option(None, "--out", metavar="DIR", help="Directory for the traces and summary.json "
+                                    "(default: RUN/profile)."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    steps: int = typer.Option(3, "--steps", metavar="N", rich_help_panel=STEPS,
+                              help="Steps recorded and summarized (the profiler's 'active')."),
+    wait: int = typer.Option(1, "--wait", metavar="N", rich_help_panel=STEPS,
+                             help="Steps run first, unprofiled (optimizer state, compilation)."),
+    warmup: int = typer.Option(2, "--warmup", metavar="N", rich_help_panel=STEPS,
+                               help="Steps profiled then discarded (profiler start-up)."),
+    record_shapes: bool = typer.Option(False, "--record-shapes/--no-record-shapes", rich_help_panel=TRACE,
+                                       help="Record operator input shapes (a larger trace, more overhead)."),
+    profile_memory: bool = typer.Option(False, "--profile-memory/--no-profile-memory", rich_help_panel=TRACE,
+                                        help="Record allocations in the trace (a larger trace, slower to write and "
+                                        "summarize)."),
+    tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", rich_help_panel=TRACE, help="Also "
+                                     "write the trace into DIR/tensorboard/ for TensorBoard's profiler plugin."),
+    top: int = typer.Option(15, "--top", metavar="N", rich_help_panel=TRACE, help="Operators / kernels to list."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                       help="Ranks on this node; > 1 starts torchrun."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the summary as JSON instead of tables."),
 ) -> None:
     """Profile the real training step: a Chrome / Perfetto trace, and a summary of busy vs idle time, the top

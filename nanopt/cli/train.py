@@ -14,6 +14,7 @@ from rich.table import Table
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.health import health_table
+from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
 from nanopt.cli.mixture_display import source_tables
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
@@ -25,40 +26,7 @@ from nanopt.runtime import ranks, restarts, under_torchrun
 from nanopt.shown import printable
 from nanopt.train.world_fit import micro_batch_for_world
 
-EPILOG = """
-Examples:
-
-  nanopt train runs/demo                                   # CPU or one GPU
-
-  nanopt train runs/demo --resume runs/demo/checkpoints/step-000800   # again from an earlier checkpoint
-
-  nanopt train runs/gpt2-small --nproc-per-node 8          # starts torchrun itself
-
-  torchrun --nproc_per_node 8 -m nanopt train runs/gpt2-small
-
-  nanopt train runs/gpt2-small --nproc-per-node 8 --max-restarts 3   # a rank killed: restart all, resume, go on
-
-  nanopt train runs/llama-3.2-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
-
-  nanopt train runs/demo --resume none --set max_steps=50 --set train_tokens=null
-
-  nanopt train runs/demo --resume none --set max_steps=3000   # ~1.4 passes over its data, each epoch reshuffled
-
-  nanopt train runs/gpt2-small --on-exit 'sudo shutdown -h now'   # stop paying when the run ends, however it ends
-
-  nanopt train runs/demo --resume none --set optimizer=muon   # Muon on the hidden matrices, AdamW on the rest
-
-  nanopt train runs/demo --set tensorboard=true               # also log to runs/demo/tensorboard/
-
-  nanopt train runs/demo --resume none --set seq_len=128 --set 'seq_len_stages=[{"from": 0.9, "seq_len": 256}]'
-      # sequences of 128 tokens for 90% of the steps, then of 256 (train.json seq_len_stages)
-
-  nanopt train runs/demo --set recovery=false                 # stop at a divergence instead of rolling back
-
-  nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends
-
-  nanopt train runs/gpt2-small --on-event 'curl -d "$NANOPT_EVENT: $NANOPT_EVENT_MESSAGE" https://ntfy.sh/mytopic'
-
+ABOUT = """
 --on-exit (train.json on_exit): rank 0 runs the command once through the shell when the run ends: completed,
 preempted (SIGTERM / SIGINT, saved), diverged, error, interrupted (a second Ctrl-C) or crashed, in
 NANOPT_EXIT_REASON, with NANOPT_EXIT_STATUS, NANOPT_RUN_DIR, NANOPT_STEP and NANOPT_TOTAL_STEPS (when known) and
@@ -84,40 +52,65 @@ the newest checkpoint; each restart is one line on stderr and a resume event in 
 a divergence or a preemption is never restarted. The --on-exit command runs once, when no restart follows.
 """
 
+EXAMPLES = """
+nanopt train runs/demo                                   # CPU or one GPU
+nanopt train runs/demo --resume runs/demo/checkpoints/step-000800   # again from an earlier checkpoint
+nanopt train runs/gpt2-small --nproc-per-node 8          # starts torchrun itself
+torchrun --nproc_per_node 8 -m nanopt train runs/gpt2-small
+nanopt train runs/gpt2-small --nproc-per-node 8 --max-restarts 3   # a rank killed: restart all, resume, go on
+nanopt train runs/llama-3.2-1b --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint head:29500
+nanopt train runs/demo --resume none --set max_steps=50 --set train_tokens=null
+nanopt train runs/demo --resume none --set max_steps=3000   # ~1.4 passes over its data, each epoch reshuffled
+nanopt train runs/gpt2-small --on-exit 'sudo shutdown -h now'   # stop paying when the run ends, however it ends
+nanopt train runs/demo --resume none --set optimizer=muon   # Muon on the hidden matrices, AdamW on the rest
+nanopt train runs/demo --set tensorboard=true               # also log to runs/demo/tensorboard/
+nanopt train runs/demo --resume none --set seq_len=128 --set 'seq_len_stages=[{"from": 0.9, "seq_len": 256}]'
+    # sequences of 128 tokens for 90% of the steps, then of 256 (train.json seq_len_stages)
+nanopt train runs/demo --set recovery=false                 # stop at a divergence instead of rolling back
+nanopt train runs/demo --on-exit 'curl -d "$NANOPT_EXIT_REASON" https://ntfy.sh/mytopic'   # a message when it ends
+nanopt train runs/gpt2-small --on-event 'curl -d "$NANOPT_EVENT: $NANOPT_EVENT_MESSAGE" https://ntfy.sh/mytopic'
+"""
 
-@app.command("train", epilog=EPILOG)
+# The option panels of --help, by job.
+HOOKS = "Commands run on events"
+
+
+@app.command("train", epilog=epilog(ABOUT, EXAMPLES))
 def train_command(
     ctx: typer.Context,
-    run_dir: Path = typer.Argument(..., help="Run directory with model.json and train.json."),
-    resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any), none (start "
-                                                        "over: the earlier checkpoints and metrics move to "
-                                                        "previous/; an imported run starts again from the "
-                                                        "import), latest, best, or a checkpoint path."),
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
+    resume: str = typer.Option("auto", "--resume", metavar="CHECKPOINT", help="auto (newest complete checkpoint, if "
+                               "any), none (start over: the earlier checkpoints and metrics move to previous/; an "
+                               "imported run starts again from the import), latest, best, or a checkpoint path."),
     allow_changed: bool = typer.Option(False, "--allow-changed/--no-allow-changed", help="Resume although the "
                                        "learning rate, budget, micro-batch or world size changed (never model or "
                                        "data)."),
-    sets: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes (GPUs) on this node; > 1 "
-                                                                   "starts torchrun."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Nodes in a multi-node run (passed to torchrun)."),
-    node_rank: int = typer.Option(0, "--node-rank", help="This node's rank (passed to torchrun)."),
-    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous: the "
-                                             "first node's, the same on every node (needed with --nnodes > 1)."),
-    max_restarts: int = typer.Option(0, "--max-restarts", help="Times torchrun may restart the ranks after one is "
-                                     "killed or crashes, each time resuming from the newest checkpoint (0: the job "
-                                     "stops and says why)."),
+    sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    price_per_hour: float | None = typer.Option(None, "--price-per-hour", metavar="USD", help="USD per GPU-hour for "
+                                                "the live cost, the summary and eval --compare (train.json "
+                                                "price_per_hour; default: the GPU table's typical price, none on a "
+                                                "CPU)."),
     no_live: bool = typer.Option(False, "--no-live/--live", help="Log lines only, no live progress bar (--live: "
                                  "the bar, the default)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print the end-of-run summary as JSON."),
-    price_per_hour: float | None = typer.Option(None, "--price-per-hour", help="USD per GPU-hour for the live cost, "
-                                                "the summary and eval --compare (train.json price_per_hour; "
-                                                "default: the GPU table's typical price, none on a CPU)."),
-    on_exit: str | None = typer.Option(None, "--on-exit", help="Shell command rank 0 runs once when the run ends "
-                                       "for any reason, with NANOPT_EXIT_REASON set (train.json on_exit); e.g. "
-                                       "\"sudo shutdown -h now\"."),
-    on_event: str | None = typer.Option(None, "--on-event", help="Shell command rank 0 runs, in the background, "
-                                        "on each health verdict and on a stall, with NANOPT_EVENT set to its "
-                                        "name; e.g. "
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                       help="Processes (GPUs) on this node; > 1 starts torchrun."),
+    nnodes: int = typer.Option(1, "--nnodes", metavar="N", rich_help_panel=DEVICES_PANEL,
+                               help="Nodes in a multi-node run (passed to torchrun)."),
+    node_rank: int = typer.Option(0, "--node-rank", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                  help="This node's rank (passed to torchrun)."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT",
+                                             rich_help_panel=DEVICES_PANEL, help="The rendezvous: the first node's, "
+                                             "the same on every node (needed with --nnodes > 1)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", metavar="N", rich_help_panel=DEVICES_PANEL,
+                                     help="Times torchrun may restart the ranks after one is killed or crashes, each "
+                                     "time resuming from the newest checkpoint (0: the job stops and says why)."),
+    on_exit: str | None = typer.Option(None, "--on-exit", metavar="COMMAND", rich_help_panel=HOOKS,
+                                       help="Shell command rank 0 runs once when the run ends for any reason, with "
+                                       "NANOPT_EXIT_REASON set (train.json on_exit); e.g. \"sudo shutdown -h now\"."),
+    on_event: str | None = typer.Option(None, "--on-event", metavar="COMMAND", rich_help_panel=HOOKS,
+                                        help="Shell command rank 0 runs, in the background, on each health verdict "
+                                        "and on a stall, with NANOPT_EVENT set to its name; e.g. "
                                         "'curl -d \"$NANOPT_EVENT\" https://ntfy.sh/mytopic'."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
