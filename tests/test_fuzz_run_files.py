@@ -37,13 +37,19 @@ JSON_VALUES = [None, True, -1, 0, 2**70, 1e308, float("inf"), float("nan"), "", 
                "../../../etc/passwd", "__HUGE__", "__DEEP__"]
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher: Launcher) -> Path:
+# 8-bit AdamW stores each moment of the embedding as codes, scales and a code book: other files to damage. Its step
+# is compiled on every `nanopt train` (seconds on a CPU), hence slow.
+@pytest.fixture(scope="module", params=["adamw", pytest.param("adamw8bit", marks=pytest.mark.slow)])
+def pristine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path,
+             launcher: Launcher) -> Path:
     """A trained tiny run (checkpoints, pointers, metrics, loss chart) and a copy of its dataset, side by side."""
+    if request.param == "adamw8bit":
+        pytest.importorskip("torchao")
     root = tmp_path_factory.mktemp("pristine")
     shutil.copytree(tiny_dataset, root / "data")
     # data "../data": relative to the run, so a copy of the two side by side reads its own dataset.
-    run = tiny_run(root, root / "data", "run", max_steps=6, checkpoint_interval=2, eval_interval=3, data="../data")
+    run = tiny_run(root, root / "data", "run", max_steps=6, checkpoint_interval=2, eval_interval=3, data="../data",
+                   optimizer=request.param)
     launcher.train(run)
     assert (run / "checkpoints" / "latest").read_text().strip() == NEWEST
     return root

@@ -104,7 +104,8 @@ def write_tiny_checkpoint(run: Path, step: int) -> Path:
             param.fill_(float(step))
     weights = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
     named = list(model.named_parameters())
-    state = {name: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p)} for name, p in named}
+    state = {name: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p)} for name, p in named}
     groups = [{"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": decay, "params": names}
               for decay, names in zip((0.1, 0.0), group_names(named, "adamw"), strict=True)]
     meta = {"tokens": step * 10, "world_size": 1, "ranks": [{"loader": {}, "rng": rng_state()}],

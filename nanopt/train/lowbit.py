@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor, Shard
 from nanopt.errors import CheckpointError, ConfigError
 
 PARTS = ("codes", "scale", "qmap")
+PART_DTYPES = {"codes": "uint8", "scale": "float32", "qmap": "float32"}
+CODES = 256  # entries of the code book: one per 8-bit code
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 BLOCK = 256  # values per scale: torchao's AdamW8bit default
 MIN_VALUES = 4096  # smaller tensors keep fp32 moments (torchao's and bitsandbytes' threshold)
@@ -110,6 +112,13 @@ def rows_per_block_group(shape: tuple[int, ...]) -> int:
     """The fewest rows (dim 0) whose values fill whole 256-value blocks: 1 when a row holds a multiple of 256."""
     row = math.prod(shape[1:])
     return BLOCK // math.gcd(row, BLOCK)
+
+
+def stored_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The shape of each stored part of an 8-bit moment of a parameter of `shape` (one that `quantizes`): the codes
+    the parameter's, the scales [row groups, blocks per group], the code book one entry per code."""
+    groups = shape[0] // rows_per_block_group(shape)
+    return {"codes": tuple(shape), "scale": (groups, math.prod(shape) // BLOCK // groups), "qmap": (CODES,)}
 
 
 def shard_rows(rows: int, world: int) -> list[int]:

@@ -28,6 +28,7 @@ from nanopt.files import make_dir
 from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import sharded
+from nanopt.train.contents import DamagedState, state_values_problem
 from nanopt.train.lowbit import check_stored_moments, is_adamw8bit
 from nanopt.train.metrics import read_metrics
 from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state, load_sharded_state, sharded_state
@@ -43,6 +44,10 @@ FREE = {"data", "eval_interval", "eval_tokens", "downstream_interval", "checkpoi
 # nanopt.config.seq_stages): changed, a checkpoint's step would point at other data.
 NEVER = {"seq_len", "global_batch_tokens", "seed", "optimizer", "batch_warmup_tokens", "batch_warmup_start_tokens",
          "seq_len_stages"}
+
+# The hint wherever checkpoints exist and none of them can be resumed.
+NO_USABLE = ("move the damaged checkpoints aside and train again, or start over with --resume none (which moves them "
+             "to previous/)")
 
 
 def data_fingerprint(dataset: Any) -> str:
@@ -115,9 +120,7 @@ def maybe_resume(s: Session) -> None:
         if s.opts.resume != "none":
             s.metrics.truncate_after(0)
         return
-    check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed,
-                    s.dataset.tokenizer_sha256, s.rt.world_size)
-    load_checkpoint(s, found)
+    found = _load_usable(s, found)
     _restore_spike_history(s, found.step)
     if found.step < s.total_steps:  # a complete run writes nothing: it may sit on a full or read-only disk
         s.metrics.truncate_after(found.step)
@@ -128,6 +131,27 @@ def maybe_resume(s: Session) -> None:
         s.observer.note(f"the checkpoint was written by {found.meta['world_size']} rank(s), this run has "
                         f"{s.rt.world_size}: the data continues at the same sample and the optimizer state is "
                         "resharded; losses may differ in the last digits (sums reduced in another order)")
+
+
+def _load_usable(s: Session, found: ckpt.Checkpoint) -> ckpt.Checkpoint:
+    """Load `found`, or, with --resume auto, when its optimizer state's values turn out damaged as they are read,
+    the newest valid checkpoint before it: skipped with a note, as one that fails verification is. Loading
+    overwrites every weight, moment and counter, so what the damaged one had already put in place is gone."""
+    while True:
+        check_resumable(found.meta, s.run, data_fingerprint(s.dataset), s.opts.allow_changed,
+                        s.dataset.tokenizer_sha256, s.rt.world_size)
+        try:
+            load_checkpoint(s, found)
+            return found
+        except DamagedState as exc:
+            if s.opts.resume != "auto":
+                raise
+            older, skipped = ckpt.newest_valid(s.run.run_dir, below=found.step)
+            if older is None:  # as _find_checkpoint: never start over on top of checkpoints
+                raise CheckpointError(f"{s.run.run_dir}: no usable checkpoint: {exc.message}", NO_USABLE) from None
+            for note in (exc.message, *skipped):
+                s.observer.note(f"skipping a damaged checkpoint: {note}")
+            found = older
 
 
 def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
@@ -142,8 +166,16 @@ def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
         _load_sharded(s, found)
     else:
         load_full_model_state(s.prepared, ckpt.load_model_state(found))
-        load_full_optimizer_state(s.prepared, s.optimizer, ckpt.load_optimizer_state(found))
+        optimizer = ckpt.load_optimizer_state(found)
+        _refuse_damaged(found, state_values_problem(optimizer["state"], found.step))  # every rank reads it all
+        load_full_optimizer_state(s.prepared, s.optimizer, optimizer)
     s.train_state.load_state_dict(found.meta, s.rt.rank, s.rt.world_size)
+
+
+def _refuse_damaged(found: ckpt.Checkpoint, problem: str | None) -> None:
+    if problem:
+        raise DamagedState(f"{found.path}: its optimizer state holds values no optimizer writes ({problem})",
+                           "use another checkpoint")
 
 
 def _load_sharded(s: Session, found: ckpt.Checkpoint) -> None:
@@ -157,8 +189,21 @@ def _load_sharded(s: Session, found: ckpt.Checkpoint) -> None:
         check_stored_moments(filled["optimizer"], set(sharded.stored_specs(found.path)), str(found.path),
                              s.rt.world_size)
     sharded.load(filled, found.path, s.checkpoint_group)
+    _refuse_damaged(found, _agreed(s, state_values_problem(filled["optimizer"]["state"], found.step)))
     optimizer = {"state": filled["optimizer"]["state"], "param_groups": found.meta["optimizer_param_groups"]}
     load_sharded_state(s.prepared, s.optimizer, {"model": filled["model"], "optimizer": optimizer})
+
+
+def _agreed(s: Session, problem: str | None) -> str | None:
+    """The first rank's problem, on every rank: each checked only the part it read, and all must skip together
+    (a rank resuming alone would wait for the others in its first collective)."""
+    if not s.rt.distributed:
+        return problem
+    import torch.distributed as dist
+
+    problems: list[str | None] = [None] * s.rt.world_size
+    dist.all_gather_object(problems, problem, group=s.checkpoint_group)
+    return next((found for found in problems if found), None)
 
 
 def _start_fresh(s: Session) -> ckpt.Checkpoint | None:
@@ -231,9 +276,7 @@ def _find_checkpoint(s: Session) -> ckpt.Checkpoint | None:
     if s.opts.resume == "auto":
         found, skipped = ckpt.latest(s.run.run_dir)
         if found is None and skipped:  # checkpoints are there, none usable: never start over on top of them
-            raise CheckpointError(f"{s.run.run_dir}: no usable checkpoint: {skipped[0]}",
-                                  "move the damaged checkpoints aside and train again, or start over with "
-                                  "--resume none (which moves them to previous/)")
+            raise CheckpointError(f"{s.run.run_dir}: no usable checkpoint: {skipped[0]}", NO_USABLE)
         for note in skipped:
             s.observer.note(f"skipping a damaged checkpoint: {note}")
         return found

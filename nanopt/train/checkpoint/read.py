@@ -79,11 +79,14 @@ def verify(path: Path) -> Checkpoint:
     return Checkpoint(path=path, meta=meta)
 
 
-def newest_valid(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint (by step number) that passes verification, and a note for each newer one that did
-    not: a step directory without meta.json, a symbolic link, or a directory whose name is not its step."""
+def newest_valid(run_dir: Path, below: int | None = None) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint (by step number; before step `below` if given) that passes verification, and a note
+    for each newer one that did not: a step directory without meta.json, a symbolic link, or a directory whose
+    name is not its step."""
     skipped: list[str] = []
-    for _, path in reversed(step_dirs(run_dir)):
+    for step, path in reversed(step_dirs(run_dir)):
+        if below is not None and step >= below:
+            continue
         try:
             return verify_discovered(path), skipped
         except CheckpointError as exc:
