@@ -92,6 +92,11 @@ STEPS = (
     # The 1B with fp8 "all", nanopt alone, at 1 and 8 micro-batches a step: one graph, its casts and scales on top of
     # the bf16 graph's work (GPT-2's FP8 head graph compiled in 39 s against 14 s cached): two cold-1b for one.
     Step("throughput-llama-fp8", ("llama-1b:fp8",), ("cold-1b", "cold-1b"), 30, 60),
+    # nanopt with q/k/v in one GEMM against one GEMM each (nanopt.model.stacked), at throughput-gpt2's shape and
+    # rounds: two nanopt graphs of their own (a different graph each, so both cold), and its measuring work.
+    Step("stacked-gpt2", ("gpt2-small:stacked",), ("cold", "cold"), 32, 60),
+    # The same for the 1B (gate/up stacked too), at throughput-llama's shape, one round: each side freed first.
+    Step("stacked-llama", ("llama-1b:stacked",), ("cold-1b", "cold-1b"), 35, 60),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -104,6 +109,9 @@ PLANS = {
     # read from tables, the 1B with fp8 "all" (torchao carried to the machine), then the GPU tests (the third's
     # took 273 s; they get what the steps before leave). GPT-2's figures stand from the third window.
     "next": ("preflight", "data", "profile-llama", "throughput-llama", "throughput-llama-fp8", "gpu-tests"),
+    # Stacked q/k/v (and gate/up) against separate GEMMs on GPT-2 small and the 1B, which decides the model's
+    # default (Transformer.stack_projections); "next" is full, so a call of its own (`--plan stacked`).
+    "stacked": ("preflight", "stacked-gpt2", "stacked-llama", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

@@ -137,12 +137,14 @@ def attention_fallback_warning(cfg: ModelConfig, precision: str) -> str | None:
             "hidden_size or num_attention_heads in model.json (whatever \"precision\" is)")
 
 
-def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compiled: bool) -> int:
+def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compiled: bool,
+                                         stacked: bool = False) -> int:
     """Tensors one transformer block saves for backward, per token, with a flash-style attention kernel.
 
     The residual stream stays in fp32 (the master weights are fp32 and autocast keeps additions in fp32); the
     matmul outputs are in the compute dtype (`act_bytes`). Under autocast (act_bytes < 4) eager and compiled
-    differ: eager_block_bytes and compiled_block_bytes.
+    differ: eager_block_bytes and compiled_block_bytes. `stacked`: q, k, v (and gate, up) as one GEMM each
+    (nanopt.model.stacked): the same outputs, one input cast per norm in eager.
     """
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     residual = 2 * 4 * h  # block input and the mid-block residual, fp32
@@ -151,15 +153,18 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, compi
     attention = act_bytes * (h + 2 * kv) + act_bytes * h + 4 * cfg.num_attention_heads
     if compiled:
         return residual + attention + compiled_block_bytes(cfg, act_bytes)
-    return residual + attention + eager_block_bytes(cfg, act_bytes)
+    return residual + attention + eager_block_bytes(cfg, act_bytes, stacked)
 
 
-def projections_reading_each_norm(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmuls reading the attention norm's output, matmuls reading the MLP norm's): q, k, v; gate and up, or fc."""
+def projections_reading_each_norm(cfg: ModelConfig, stacked: bool = False) -> tuple[int, int]:
+    """(matmuls reading the attention norm's output, matmuls reading the MLP norm's): q, k, v; gate and up, or fc.
+    Stacked, one each."""
+    if stacked:
+        return 1, 1
     return 3, 2 if cfg.architecture == "llama" else 1
 
 
-def eager_block_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+def eager_block_bytes(cfg: ModelConfig, act_bytes: int, stacked: bool = False) -> int:
     """Per token, what an eager block saves besides its residual stream and attention, tensor by tensor. Checked
     against an H100's allocated peaks (bench/gpusession memory step: GPT-2 small at 32 x 1024 and Llama 1B at
     8 x 2048, each with and without checkpointing, within 0.07 GiB of what torch.cuda.max_memory_allocated saw).
@@ -186,7 +191,7 @@ def eager_block_bytes(cfg: ModelConfig, act_bytes: int) -> int:
     else:
         norms = 2 * 8
         mlp = 2 * act_bytes * inner
-    casts = sum(projections_reading_each_norm(cfg)) if act_bytes < 4 else 2
+    casts = sum(projections_reading_each_norm(cfg, stacked)) if act_bytes < 4 else 2
     inputs = casts * act_bytes * h
     return norms + inputs + mlp + qk_norm_bytes(cfg, act_bytes, compiled=False)
 
@@ -238,20 +243,36 @@ def math_attention_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, s
     return act_bytes * cfg.num_attention_heads * seq_len + expanded_kv - 4 * cfg.num_attention_heads
 
 
-def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallelism: str) -> int:
+def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallelism: str, stacked: bool = False,
+                      kept_blocks: int | None = None) -> int:
     """Eager autocast on replicated weights (ddp, zero1): every projection's weight cast to the compute dtype is
     saved by its matmul for backward, so all the blocks' copies are alive at the forward's peak (GPT-2 small:
     2 x 84.9M = 0.16 GiB; Llama 1B: 2 x 973M = 1.81 GiB). Compiled, the cast is recomputed from the fp32 weight in
-    backward; FSDP2 gathers the weights in the compute dtype already and frees them after each block."""
-    if compiled or act_bytes >= 4 or parallelism not in ("ddp", "zero1"):
-        return 0
-    return act_bytes * hidden_matrix_params(cfg)
+    backward; FSDP2 gathers the weights in the compute dtype already and frees them after each block.
+
+    `stacked` (nanopt.model.stacked): the concatenated q/k/v (and gate/up) weight is no leaf, so autocast does not
+    cache its cast: the copy is saved by the `kept_blocks` blocks that are not checkpointed (default: all). Where
+    nothing is cast (fp32; FSDP2's gathered weights) eager and compiled alike keep the concatenation itself (Inductor
+    saves it rather than the weights it came from); compiled under autocast, it is recomputed as the casts are."""
+    cast = act_bytes < 4 and parallelism in ("ddp", "zero1")
+    cached = act_bytes * hidden_matrix_params(cfg) if cast and not compiled else 0
+    if not stacked or (cast and compiled):
+        return cached
+    per_block = act_bytes * stacked_params_per_layer(cfg)
+    kept = cfg.num_hidden_layers if kept_blocks is None else kept_blocks
+    return cached - (per_block * cfg.num_hidden_layers if cached else 0) + per_block * kept
+
+
+def stacked_params_per_layer(cfg: ModelConfig) -> int:
+    """Weights a block concatenates when stacked: q, k, v; and llama's gate and up."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    return h * (h + 2 * kv) + (2 * h * cfg.intermediate_size if cfg.architecture == "llama" else 0)
 
 
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
                     activation_checkpointing: bool | int | str, parallelism: str, world_size: int,
                     optimizer: str = "adamw", cuda: bool = True, step_sequences: float = math.inf,
-                    health: bool = False) -> MemoryEstimate:
+                    health: bool = False, stacked: bool = False) -> MemoryEstimate:
     """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights, at one
     rung of the ladder: train.json's `parallelism` (SHARDED_STATES) and `activation_checkpointing` (any
     granularity: checkpointed_blocks). `step_sequences`: the sequences per rank of one optimizer step; a smaller
@@ -266,7 +287,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     Weights, gradients and the two Adam moments are fp32 (4 bytes each per parameter); Muon keeps one fp32
     momentum buffer for the hidden matrices it updates instead. Eager autocast keeps the blocks' weight copies
     (weight_copy_bytes); zero2 keeps every block's gathered weights (`gathered`). With run `health` on, a log
-    step copies the weights around its update (`health_snapshot`).
+    step copies the weights around its update (`health_snapshot`). `stacked`: the model's stacked projections
+    (Transformer.stack_projections), which change the eager casts and the weight copies.
     """
     parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel)
     act_bytes = 4 if precision == "fp32" else 2
@@ -274,7 +296,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     extra = math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len) if math_attention else 0
     if cuda:
         extra += expanded_kv_bytes(cfg, act_bytes)
-    kept, recomputed = block_activation_bytes_per_token(cfg, act_bytes, compiled, activation_checkpointing, extra)
+    kept, recomputed = block_activation_bytes_per_token(cfg, act_bytes, compiled, activation_checkpointing, extra,
+                                                        stacked)
     per_sequence_extra = document_mask_bytes(cfg, act_bytes, seq_len)
     if math_attention:  # the scores' gradient and the probabilities' gradient in one layer's backward
         per_sequence_extra += 2 * act_bytes * cfg.num_attention_heads * seq_len * seq_len
@@ -286,8 +309,11 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
                          muon_params=muon_params, parallelism=parallelism,
                          adam_bytes=ADAM_8BIT_BYTES if optimizer == "adamw8bit" else 8, health=health)
     gathered = act_bytes * block_params(cfg) if parallelism == "zero2" else 0
+    # a checkpointed block (every one under "selective") keeps no stacked weight copy for backward
+    uncheckpointed = cfg.num_hidden_layers - len(checkpointed_blocks(activation_checkpointing, cfg.num_hidden_layers))
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
-                               weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism),
+                               weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism, stacked,
+                                                               uncheckpointed),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
                                seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
                                recompute_per_sequence=backward)
@@ -306,11 +332,12 @@ def checkpointed_blocks(setting: bool | int | str, num_blocks: int) -> list[int]
 
 
 def block_activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, compiled: bool,
-                                     checkpointing: bool | int | str, extra_per_layer: int = 0) -> tuple[int, int]:
+                                     checkpointing: bool | int | str, extra_per_layer: int = 0,
+                                     stacked: bool = False) -> tuple[int, int]:
     """(bytes the blocks keep for backward at the end of forward, bytes of the one block rebuilt at a time in
     backward), per token. A checkpointed block keeps only its fp32 input; a selectively checkpointed one its input
     and its matmul and attention outputs."""
-    per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled) + extra_per_layer
+    per_layer = activation_bytes_per_token_per_layer(cfg, act_bytes, compiled, stacked) + extra_per_layer
     layers = cfg.num_hidden_layers
     recomputed = len(checkpointed_blocks(checkpointing, layers))
     block_input = 4 * cfg.hidden_size

@@ -31,6 +31,8 @@ Biases: o_proj's follows `attention_bias`, q/k/v's `qkv_bias` (default: as atten
 When embeddings are tied, `state_dict()` lists both `embed_tokens.weight` and `lm_head.weight` (one shared tensor);
 `parameters()` yields it once.
 
+`Transformer.stack_projections(True)` computes q, k, v (and gate, up) as one GEMM each over the same Parameters.
+
 `qk_norm` normalizes each head's queries and keys (RMSNorm) before RoPE. `document_masking` keeps attention inside
 the documents of a packed row (split at `eos_token_id`), positions restarting per document (nanopt.model.documents).
 
@@ -57,7 +59,8 @@ from nanopt.errors import ConfigError
 from nanopt.model.documents import compute_dtype, document_mask, document_positions
 from nanopt.model.fp8 import HeadMode
 from nanopt.model.loss import chunked_cross_entropy
-from nanopt.model.rope import rope_tables
+from nanopt.model.rope import apply_rope, rope_at, rope_tables
+from nanopt.model.stacked import project
 
 
 class KVCache:
@@ -107,29 +110,6 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
 
-def rope_at(cos_table: Tensor, sin_table: Tensor, positions: Tensor | slice) -> tuple[Tensor, Tensor]:
-    """fp32 cos / sin [T, head_dim] for the positions (a slice: a run of them; a tensor [B, T]: per row, document
-    masking, giving [B, 1, T, head_dim], which broadcast over the heads), read from the model's tables.
-
-    Read from tables computed once rather than computed in each forward: compiled, Inductor folded the angles' pow,
-    cos and sin into every layer's rotation and recomputed them there in the backward too (16 kernels a step for
-    the 1B Llama, 3% of its step on an H100); read, the rotation is a multiply-add of rows that stay in cache.
-    """
-    cos, sin = cos_table[positions], sin_table[positions]
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return cos, sin
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate [B, H, T, D] queries or keys; the math runs in fp32 and the result keeps x's dtype."""
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
-
-
 # cuDNN first, then SDPA's usual order: SDPA takes the first backend that accepts the inputs, so a shape cuDNN
 # rejects (grouped-query attention on some builds) still gets flash.
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -161,6 +141,7 @@ class Attention(nn.Module):
         # Prefer cuDNN attention in training: None decides by the device (cudnn_attention_by_default); True/False
         # force it either way, e.g. to compare both on one GPU (Transformer.prefer_cudnn_attention).
         self.prefer_cudnn: bool | None = None
+        self.stacked = False  # q, k and v in one GEMM (Transformer.stack_projections)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -177,9 +158,15 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv_cache: KVCache | None = None,
                 mask: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.stacked)
+        if rope is not None or self.q_norm is not None:
+            # Stacked, v is a view of the one product; attention saves it, which would keep the q and k columns
+            # alive until backward too, though RoPE or the norm replaced them. A copy of v frees them (unstacked: a
+            # no-op, v is contiguous).
+            v = v.contiguous()
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -235,9 +222,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.stacked = False  # gate and up in one GEMM (Transformer.stack_projections)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj), self.stacked)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GeluMLP(nn.Module):
@@ -340,6 +329,18 @@ class Transformer(nn.Module):
         """Prefer (True) or not (False) cuDNN's attention kernel in training; None: by the device (Hopper only)."""
         for layer in self.layers:
             layer.attn.prefer_cudnn = prefer
+
+    def stack_projections(self, stacked: bool) -> None:
+        """q, k, v (and SwiGLU's gate, up) as one GEMM each (True) or one GEMM per layer (False). The same math to
+        fp32 rounding, the same Parameters and state-dict keys (nanopt.model.stacked).
+
+        Off by default: what it gains (fewer, wider GEMMs) is a GPU's and no GPU has measured it yet (bench/gpusession
+        plan "stacked" times both), while what it costs is known: in eager, where nothing casts the weights (fp32;
+        FSDP2's gathered ones) each block keeps its concatenated weights for backward (memory.weight_copy_bytes)."""
+        for layer in self.layers:
+            layer.attn.stacked = stacked
+            if isinstance(layer.mlp, SwiGLU):
+                layer.mlp.stacked = stacked
 
     def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:
