@@ -18,7 +18,7 @@ HOST_TORCH := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 # in find-links (development machines have one) would win, as torch 2.13.0+cpu sorts above 2.13.0 and matches.
 PIP_PYPI := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS=
 
-.PHONY: install check-gpu-torch demo test test-slow test-deep lint bench clean-demo help
+.PHONY: install check-gpu-torch demo demo-smoke test test-slow test-deep lint docs bench clean-demo help
 
 help:
 	@echo "make install   create .venv with nanopt, torch (CPU or CUDA build) and the dev tools"
@@ -26,8 +26,11 @@ help:
 	@echo "make test      run the test suite, the tests marked slow left out (CPU; GPU tests skip without CUDA)"
 	@echo "make test-slow the tests marked slow: kill loops, many-rank ladders, the GPU session's smoke run"
 	@echo "make test-deep the fuzz and property tests of files from strangers, 300 examples each"
+	@echo "make demo-smoke make demo's three commands, short, in a temporary folder (CI runs it; ~1-2 minutes)"
 	@echo "make lint      ruff, and the import contract (.importlinter: each layer imports only from below)"
-	@echo "make bench     the benchmark scripts in bench/"
+	@echo "make docs      write docs/config.md, the model.json / train.json reference, from the config schema"
+	@echo "make bench     the tokenizer benchmark only (bench/bench_tokenize.py); the other scripts in bench/ are"
+	@echo "               run one at a time, as bench/RESULTS.md shows for each (several need a GPU)"
 
 install: $(VENV)/.installed-$(HOST_TORCH)
 
@@ -76,6 +79,21 @@ demo: install
 	$(NANOPT) train runs/demo
 	$(NANOPT) eval runs/demo
 
+# The demo's smoke test (CI, after make test): make demo's three commands on the same corpus and configs, short,
+# in a temporary folder that is removed afterwards, so runs/ and data/ stay as they are. The built-in corpus up to
+# 100K train tokens (16K each for val and test), a copy of runs/demo's two configs trained 12 steps (one
+# evaluation, one checkpoint), then `nanopt eval` of it (16K test tokens, short samples).
+SMOKE_STEPS ?= 12
+demo-smoke: install
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; start=$$(date +%s); \
+	mkdir -p "$$tmp/runs/demo"; cp runs/demo/model.json runs/demo/train.json "$$tmp/runs/demo/"; \
+	$(NANOPT) tokenize --out "$$tmp/data/stdlib" --max-tokens 100K --val-tokens 16K --test-tokens 16K; \
+	$(NANOPT) train "$$tmp/runs/demo" --set max_steps=$(SMOKE_STEPS) --set eval_interval=$(SMOKE_STEPS) \
+		--set checkpoint_interval=$(SMOKE_STEPS) --set eval_tokens=16K; \
+	$(NANOPT) eval "$$tmp/runs/demo" --tokens 16K --max-new-tokens 32; \
+	test -f "$$tmp/runs/demo/eval.json"; \
+	echo "demo-smoke: passed in $$(( $$(date +%s) - start )) s"
+
 # Two workers (pytest-xdist), so the suite keeps both cores busy; each is given whole files, so a file's module
 # fixtures (trained runs) are built once and its tests keep their order. A plain `pytest` stays one process.
 test: install
@@ -85,14 +103,21 @@ test: install
 test-slow: install
 	$(PY) -m pytest -n 2 --dist loadfile -m slow
 
-FUZZ_TESTS := tests/test_fuzz_run_files.py tests/test_untrusted_data.py tests/test_checkpoint_meta_properties.py
+FUZZ_TESTS := tests/test_fuzz_run_files.py tests/test_untrusted_data.py tests/test_checkpoint_meta_properties.py \
+	tests/test_task_files_bounded.py tests/test_import_index_fuzz.py
 test-deep: install
 	NANOPT_FUZZ_EXAMPLES=300 $(PY) -m pytest -n 2 --dist loadfile $(FUZZ_TESTS)
 
 lint: install
-	$(PY) -m ruff check nanopt tests bench
+	$(PY) -m ruff check nanopt tests bench scripts
 	$(VENV)/bin/lint-imports --no-cache
 
+# The reference pages made from the code: docs/config.md from the config schema (a test fails when it is stale).
+docs: install
+	$(PY) scripts/config_reference.py
+
+# Only the tokenizer benchmark: the others take a GPU, several ranks or many minutes, and each is run on its own
+# (bench/RESULTS.md gives every one's command and what it printed).
 bench: install
 	$(PY) bench/bench_tokenize.py
 

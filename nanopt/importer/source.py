@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.errors import CheckpointError, ConfigError, DataError
-from nanopt.parsing import read_json
+from nanopt.parsing import read_json, show_value
+from nanopt.shown import printable
 
 # What snapshot_download fetches: enough to import, and nothing that could be a pickle.
 ALLOW_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json", "*.safetensors",
@@ -22,6 +23,8 @@ ALLOW_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json", "*.s
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+# A shard's name as transformers writes it (model-00001-of-00004.safetensors): no separator, not hidden, ASCII.
+_SHARD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,200}\.safetensors")
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.ckpt.index", "flax_model.msgpack",
             "tf_model.h5")
 
@@ -86,16 +89,7 @@ def _download(name: str, revision: str | None) -> Path:
 def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files, from the index when the checkpoint is sharded; a pickle-only checkpoint refused."""
     if (directory / INDEX).is_file():
-        index = read_json(directory / INDEX, error=CheckpointError, hint="re-download the model")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{directory / INDEX}: has no 'weight_map'", "re-download the model")
-        names = sorted({name for name in weight_map.values() if isinstance(name, str)})
-        if len(names) != len(set(weight_map.values())) or any(_not_a_plain_name(n) for n in names):
-            bad = next(n for n in weight_map.values() if not isinstance(n, str) or _not_a_plain_name(n))
-            raise CheckpointError(f"{directory / INDEX}: weight_map names {str(bad)[:80]!r}, not a .safetensors "
-                                  "file in the same directory", "re-download the model")
-        return [directory / name for name in names]
+        return [directory / name for name in _index_files(directory / INDEX)]
     if (directory / SINGLE).is_file():
         return [directory / SINGLE]
     pickles = [name for name in _PICKLES if (directory / name).exists()]
@@ -108,5 +102,19 @@ def _weight_files(directory: Path) -> list[Path]:
                           "save_pretrained")
 
 
-def _not_a_plain_name(name: str) -> bool:
-    return "/" in name or "\\" in name or name.startswith(".") or not name.endswith(".safetensors")
+def _index_files(path: Path) -> list[str]:
+    """The shard names the index's weight_map holds as values (its keys, tensor names, go unused: each shard's
+    header says what it holds). Read through read_json, so the index costs at most JSON_MAX_BYTES (64 MiB) of
+    text and what it parses to; every value must be a plain shard name (_SHARD), so nothing outside the directory,
+    no path to elsewhere, and no name the file system cannot take (a NUL, a lone surrogate) is ever opened."""
+    index = read_json(path, error=CheckpointError, hint="re-download the model")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        shown = "no 'weight_map'" if weight_map is None else f"a 'weight_map' of {show_value(weight_map)}"
+        raise CheckpointError(f"{path}: has {printable(shown)}, not an object of tensor names to shard files",
+                              "re-download the model")
+    for name in weight_map.values():
+        if not isinstance(name, str) or not _SHARD.fullmatch(name):
+            raise CheckpointError(f"{path}: weight_map names {printable(show_value(name, 80))}, not a "
+                                  ".safetensors file in the same directory", "re-download the model")
+    return sorted(set(weight_map.values()))

@@ -8,15 +8,21 @@ context and scores the same continuation after each; LAMBADA scores the last wor
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from nanopt.errors import DataError, NanoptError
+from nanopt.parsing import show_value
 from nanopt.shown import printable
 
 DELIMITER = " "  # the harness's default target_delimiter, between context and continuation
+# Every choice repeats its record's context, and the scorer tokenizes each pair whole (about 50 bytes of memory a
+# character), so the prompts' total is what scoring costs, not the records' size: a record of a million one-letter
+# choices would make a million copies of its context. HellaSwag validation, the largest task, renders about 20
+# million characters (its 10,042 records, 11 MB in all, each context scored four times); this is over three
+# times that.
+MAX_PROMPT_CHARS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,17 @@ def _text(record: Mapping[str, Any], key: str) -> str:
     value = record[key]
     if not isinstance(value, str):
         raise TypeError(f"field {key!r} is {type(value).__name__}, not text")
-    return value
+    return _encodable(value, key)
+
+
+def _encodable(text: str, key: str) -> str:
+    """`text`, unless JSON's \\ud800-style escapes left a lone surrogate in it, which no tokenizer can encode."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"field {key!r} holds a lone surrogate (a \\ud800-style escape), not text") from None
+    return text
 
 
 def _choices(texts: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -62,8 +78,19 @@ def hellaswag_preprocess(text: str) -> str:
     """lm_eval/tasks/hellaswag/utils.py preprocess: WikiHow's bracketed artifacts removed."""
     text = text.strip()
     text = text.replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text)
+    text = "\n".join(_drop_brackets(line) for line in text.split("\n"))
     return text.replace("  ", " ")
+
+
+def _drop_brackets(line: str) -> str:
+    """re.sub(r"\\[.*?\\]", "", line), as the harness writes it, in linear time: the regex tries every '[' of a
+    line without a ']' again up to the line's end, hours for a line of a million '['."""
+    kept, i = [], 0
+    while (start := line.find("[", i)) != -1 and (close := line.find("]", start)) != -1:
+        kept.append(line[i:start])
+        i = close + 1
+    kept.append(line[i:])
+    return "".join(kept)
 
 
 def render_hellaswag(record: Mapping[str, Any]) -> Example:
@@ -105,7 +132,10 @@ def render_winogrande(record: Mapping[str, Any]) -> Example:
     options = [_text(record, "option1"), _text(record, "option2")]
     contexts = [sentence[:blank] + option for option in options]
     continuation = DELIMITER + sentence[blank + 1:].strip()
-    gold = {"1": 0, "2": 1}[str(record["answer"])]
+    answer = str(record["answer"])
+    if answer not in ("1", "2"):
+        raise ValueError(f"answer {show_value(record['answer'])} is not \"1\" or \"2\"")
+    gold = int(answer) - 1
     return Example(pairs=tuple((c, continuation) for c in contexts), gold=gold,
                    norm_chars=tuple(len(c) for c in contexts))
 
@@ -113,7 +143,7 @@ def render_winogrande(record: Mapping[str, Any]) -> Example:
 def _string_list(value: Any, key: str) -> list[str]:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
         raise TypeError(f"field {key!r} is not a list of texts")
-    return list(value)
+    return [_encodable(v, key) for v in value]
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
@@ -139,19 +169,29 @@ def parse_tasks(text: str, where: str = "--tasks", error: type[NanoptError] = Da
 
 
 def render(task: Task, records: list[Mapping[str, Any]], where: str) -> list[Example]:
-    """Every record rendered; one that does not fit the task's schema is a DataError naming it."""
-    examples = []
+    """Every record rendered; one that does not fit the task's schema is a DataError naming it, and so are records
+    whose prompts total more than MAX_PROMPT_CHARS."""
+    examples, chars = [], 0
     for i, record in enumerate(records):
-        try:
-            if not isinstance(record, Mapping):
-                raise TypeError("not a JSON object")
-            examples.append(task.render(record))
-        except KeyError as exc:
-            field = printable(repr(exc.args[0]))[:80]
-            raise DataError(f"{where}: record {i + 1} has no field {field} ({task.name} needs the schema of "
-                            f"{task.path})", "see `nanopt eval --help` for each task's fields") from None
-        except (TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise DataError(f"{where}: record {i + 1} does not fit {task.name}'s schema: "
-                            f"{printable(str(exc))[:200]}",
-                            "see `nanopt eval --help` for each task's fields") from None
+        example = _render_one(task, record, f"{where}: record {i + 1}")
+        chars += sum(len(context) + len(continuation) for context, continuation in example.pairs)
+        if chars > MAX_PROMPT_CHARS:
+            raise DataError(f"{where}: the prompts of its first {i + 1:,} records total more than "
+                            f"{MAX_PROMPT_CHARS:,} characters, more than any benchmark's",
+                            "check the task file, or score its first records with --limit N")
+        examples.append(example)
     return examples
+
+
+def _render_one(task: Task, record: Any, where: str) -> Example:
+    try:
+        if not isinstance(record, Mapping):
+            raise TypeError("not a JSON object")
+        return task.render(record)
+    except KeyError as exc:
+        field = printable(repr(exc.args[0]))[:80]
+        raise DataError(f"{where} has no field {field} ({task.name} needs the schema of {task.path})",
+                        "see `nanopt eval --help` for each task's fields") from None
+    except (TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:  # Overflow: int(Infinity)
+        raise DataError(f"{where} does not fit {task.name}'s schema: {printable(str(exc))[:200]}",
+                        "see `nanopt eval --help` for each task's fields") from None
