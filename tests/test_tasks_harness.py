@@ -87,3 +87,15 @@ def test_nanopt_agrees_with_lm_evaluation_harness(tmp_path: Path, tiny_dataset: 
             assert metrics["acc_norm"]["value"] == result["acc_norm,none"], name
         if name == "lambada_openai":
             assert metrics["perplexity"] == pytest.approx(result["perplexity,none"], rel=1e-4)
+
+
+@pytest.mark.parametrize("line", [b'{"goal": "' + b"x" * (2 << 20) + b'"}', b"{not json", b'{"label": Infinity}x'])
+def test_the_harness_gets_only_a_task_file_nanopts_reader_would_take(line: bytes, tmp_path: Path):
+    """lm_eval reads --task-data's TASK.jsonl itself, whole: a line past nanopt's bounds, or one that is not
+    JSON, is refused before it gets there (no lm_eval needed: the check comes first)."""
+    from nanopt.errors import DataError
+    from nanopt.evaluate.tasks.harness import HarnessOptions, check_task_data
+
+    (tmp_path / "piqa.jsonl").write_bytes(b'{"goal": "a", "sol1": "b", "sol2": "c", "label": 0}\n' + line + b"\n")
+    with pytest.raises(DataError, match=r"piqa\.jsonl line 2"):
+        check_task_data(HarnessOptions(names=("piqa",), task_data=tmp_path))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.errors import ConfigError, DataError
+from nanopt.evaluate.tasks.sources import check_jsonl
 from nanopt.files import write_file
 from nanopt.shown import printable
 
@@ -59,7 +60,8 @@ def require_harness() -> None:
 
 
 def check_task_data(opts: HarnessOptions) -> None:
-    """The harness reads --task-data's TASK.jsonl files (not save_to_disk folders): each must be a file."""
+    """The harness reads --task-data's TASK.jsonl files (not save_to_disk folders) itself: each must be a file
+    that nanopt's own reader would take (regular, capped, a line at a time, each line plain JSON)."""
     if opts.task_data is None:
         return
     for name in opts.names:
@@ -68,6 +70,7 @@ def check_task_data(opts: HarnessOptions) -> None:
             raise DataError(f"{path}: task file not found (--harness reads TASK.jsonl files)",
                             "pass --task-data DIR holding TASK.jsonl per task, one record a line in the hub "
                             "dataset's schema")
+        check_jsonl(path)
 
 
 def run_harness(trained: Any, opts: HarnessOptions, device: str, batch_size: int) -> dict[str, Any]:

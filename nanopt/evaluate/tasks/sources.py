@@ -61,6 +61,17 @@ def read_jsonl(path: Path, limit: int | None) -> list[Any]:
     return records
 
 
+def check_jsonl(path: Path) -> None:
+    """DataError unless every line of a jsonl task file passes read_jsonl's bounds and parses, keeping no record:
+    for lm-evaluation-harness, which reads the file itself and whole, so nothing nanopt would refuse reaches it."""
+    with open_regular(path, DataError, TASK_DATA_HINT, "task file") as f:
+        if (size := os.fstat(f.fileno()).st_size) > MAX_TASK_FILE_BYTES:
+            raise _too_large(path, size)
+        for number, line in _lines(f, path):
+            if line.strip():
+                _parse(path, number, line)
+
+
 def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) per line, each read at most MAX_RECORD_BYTES (and its line break) at a time, and at
     most MAX_TASK_FILE_BYTES in all (should the file grow while it is read)."""
