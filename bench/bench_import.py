@@ -1,4 +1,5 @@
-"""Peak memory of `nanopt import` against the checkpoint it writes (issue #28: under 1.3x).
+"""Peak memory of `nanopt import` against the checkpoint it writes (the target: under 1.3x, since the import
+holds one tensor at a time, not the model).
 
 Writes a Llama-shaped transformers checkpoint with random weights (default ~500M parameters, bf16, sharded like the
 hub's), imports it in a fresh child process, and reports that process's peak RSS (VmHWM; Linux) next to the size of

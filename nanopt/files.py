@@ -1,4 +1,4 @@
-"""How nanopt writes and deletes files: never through a link (DESIGN.md, "Trust boundary").
+"""How nanopt writes and deletes files: never through a link (docs/design.md, "The trust boundary").
 
 A run directory, a dataset or an export may come from someone else, and a link planted where nanopt writes would
 make it overwrite, append to or delete whatever the link names. So every write goes through here:

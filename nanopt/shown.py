@@ -1,5 +1,5 @@
 """Text nanopt shows a person that came from elsewhere: a run, checkpoint or dataset path, a train.json value, a
-directory name, model output. Such text may come from someone else (see DESIGN.md, "Trust boundary"), so
+directory name, model output. Such text may come from someone else (docs/design.md, "The trust boundary"), so
 
 - `shell_word`: a path or other word inside a command nanopt suggests is shell-quoted, so pasting the command runs
   nanopt on that path, never a `$(...)` in a directory name, and a space does not split it;

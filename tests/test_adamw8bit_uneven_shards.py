@@ -64,7 +64,7 @@ def test_adamw8bit_moments_that_another_world_size_cannot_hold_are_refused_on_ev
     """Rows of 128 values (two make a block): 2 ranks hold a 128-row projection in 8 bits (64 rows each), 3 ranks
     would split it 43/43/42 and hold it in fp32. Resuming on 3 what 2 wrote is refused before anything is read, in
     one line saying why and what to do, on all 3 ranks together: none dies alone and leaves the others waiting in
-    a collective (this run is how issue 31's 'stall' showed: one rank's compiled step died, see above)."""
+    a collective (this run once looked like a stall: one rank's compiled step died, see above)."""
     pytest.importorskip("torchao")
     assert quantizes((128, 128), 2) and not quantizes((128, 128), 3)
     settings = {**EIGHT_BIT, "parallelism": "fsdp", "max_steps": 2, "global_batch_tokens": 6 * 32}

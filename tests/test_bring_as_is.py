@@ -1,4 +1,5 @@
-"""What a user of `datasets` and transformers already has, brought to `nanopt tokenize` as is (issue #29).
+"""What a user of `datasets` and transformers already has, brought to `nanopt tokenize` as is, without converting
+it first.
 
 - A directory written by `save_to_disk` (a Dataset, or a DatasetDict and its --split) reads as `load_from_disk`
   reads it: the same documents, hence the same shards, as the same rows in a .jsonl file.

@@ -1,6 +1,7 @@
 """Property: whatever one field of a checkpoint's meta.json holds, reading the checkpoint the way train, eval and
 export do ends in a NanoptError (one line, exit 2, or a skipped checkpoint) or in success; never in another
-exception from torch, numpy, Python's random module or nanopt itself (issue #34 item 5, issue #26 item 2).
+exception from torch, numpy, Python's random module or nanopt itself: a checkpoint may come from someone else
+(docs/design.md, "The trust boundary"), and what it holds is refused in one line, never a library's crash.
 
 hypothesis, derandomized and without an example database: for each top-level field of a real checkpoint's
 meta.json (written by `nanopt train` on a tiny run), a value somewhere inside it is replaced (by a value of another

@@ -1,5 +1,5 @@
-"""A checkpoint may come from someone else (issue #34, items 3 and 5): its config snapshot, its resume state and the
-size of the model it describes are checked before anything is allocated or restored.
+"""A checkpoint may come from someone else (docs/design.md, "The trust boundary"): its config snapshot, its resume
+state and the size of the model it describes are checked before anything is allocated or restored.
 
 Every case edits the meta.json of a real checkpoint that `nanopt train` wrote (a tiny run with checkpoints at steps
 2 and 4, copied per test). `train` then skips the edited step-4 checkpoint with a note and resumes from step 2;

@@ -1,6 +1,6 @@
-"""`nanopt estimate`'s memory ladder (issue 31): every rung (parallelism x activation checkpointing) at the run's GPU
-count with its memory and projected slowdown, the fastest that fits recommended, for the three cases the issue
-names; and `--compare-gpus`.
+"""`nanopt estimate`'s memory ladder: every rung (parallelism x activation checkpointing) at the run's GPU count with
+its memory and projected slowdown, the fastest that fits recommended, for the three cases it was made for (a 1B
+Llama on one 24 GB GPU, an 8B Llama on eight 40 GB GPUs, GPT-2 small on a T4); and `--compare-gpus`.
 
 The oracle for "fits" is the estimate's own memory verdict for the run with that rung set in train.json (--set):
 the ladder and the verdict must never disagree. The oracle for "fastest" is the table's own slowdown column: no

@@ -1,6 +1,6 @@
 """`nanopt estimate` recommends the parallelism: for each GPU count, the memory ladder's recommendation there (the
 fastest rung that fits: nanopt.plan.estimate.ladder), judged by the same memory model and the same rule as the
-estimate's own memory verdict (issue #16, item 6; issue #31: one home for the advice).
+estimate's own memory verdict (one home for the advice: two tables that disagree leave the reader with none).
 
 The oracles are the ladder of `nanopt estimate --num-gpus N` (each row is its recommendation, or its leanest rung
 when none fits) and the verdict: the run with a row's rung set in train.json (`--set`) and its GPU count
@@ -98,7 +98,7 @@ def test_every_row_is_the_ladders_recommendation_and_the_verdict_agrees(preset: 
 
 
 def test_the_runs_own_layout_agrees_with_the_verdict_and_the_advice_is_the_ladders(cli_in_process):
-    """The parallelism table, its warning, the verdict's remedy and the ladder name one rung (issue #31: the older
+    """The parallelism table, its warning, the verdict's remedy and the ladder name one rung (the older
     warning once said FSDP2 + checkpointing where the ladder recommended CPU offload)."""
     args = (RUNS / "llama-3.2-1b", "--gpu-memory", "16GiB", "--gpu", "h100-sxm", "--num-gpus", "8")
     result = cli_in_process("estimate", *args, "--json")

@@ -1,5 +1,5 @@
 """`nanopt estimate` says whether a run fits and what would make it fit, estimates this machine's CPU, and reads
---mfu one way only (issue #19, item 10)."""
+--mfu one way only (a fraction, 0.4 for 40%: 40 is refused with that hint)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Every example a user may copy runs: the `nanopt ...` lines in each command's --help epilog and in README.md's
-code blocks.
+"""Every example a user may copy runs: the `nanopt ...` lines in each command's --help epilog and in the code blocks
+of README.md, SECURITY.md and every page of docs/.
 
 Each example is parsed by the command's own parser (its options exist, its values convert), without running it;
 every path it names under runs/ or data/ is in the repository or made by an earlier example of the same block
@@ -50,16 +50,24 @@ def example_lines(text: str) -> list[str]:
 COPY = re.compile(r"^\s*mkdir (runs/\S+) && cp (runs/\S+)/model\.json \2/train\.json \1/", re.M)
 
 
+def documents() -> list[Path]:
+    """The pages a user reads examples in: the README, SECURITY.md and every page of docs/ (relative to the repo)."""
+    pages = [REPO / "README.md", REPO / "SECURITY.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [page.relative_to(REPO) for page in pages if page.is_file()]
+
+
+def documents_text() -> str:
+    return "\n".join((REPO / page).read_text(encoding="utf-8") for page in documents())
+
+
 def copy_lines() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    return [line.split("#")[0].strip() for line in text.splitlines() if COPY.match(line)]
+    return [line.split("#")[0].strip() for line in documents_text().splitlines() if COPY.match(line)]
 
 
 def copied_runs() -> dict[Path, Path]:
-    """Run directories a README block makes by copying a shipped run's settings (`mkdir runs/mine && cp
+    """Run directories a page's block makes by copying a shipped run's settings (`mkdir runs/mine && cp
     runs/demo/model.json runs/demo/train.json runs/mine/`): the copy, and the run it copies, for its later examples."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    return {Path(target): Path(source) for target, source in COPY.findall(text)}
+    return {Path(target): Path(source) for target, source in COPY.findall(documents_text())}
 
 
 def test_the_readme_copies_a_runs_settings_and_never_its_checkpoints(tmp_path: Path):
@@ -69,7 +77,7 @@ def test_the_readme_copies_a_runs_settings_and_never_its_checkpoints(tmp_path: P
     for name in ("model.json", "train.json", "metrics.jsonl", "eval_history.jsonl"):
         (demo / name).write_text("{}")
     lines = copy_lines()
-    assert len(lines) >= 2 and not re.search(r"^\s*cp -r runs/", (REPO / "README.md").read_text(), re.M)
+    assert len(lines) >= 2 and not re.search(r"^\s*cp -r runs/", documents_text(), re.M)
     for line in lines:
         subprocess.run(["bash", "-c", line], cwd=tmp_path, check=True)
     for target in copied_runs():
@@ -85,16 +93,18 @@ def epilog_examples() -> list[Example]:
             for i, line in enumerate(example_lines(command.epilog or ""))]
 
 
-def readme_examples() -> list[Example]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def page_examples() -> list[Example]:
+    """The examples of every page's code blocks; each block is one sequence (its outputs exist for its later lines)."""
     found = []
-    for block in re.finditer(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
-        where = f"README.md line {text.count(chr(10), 0, block.start()) + 1}"
-        found += [Example(where, i, line) for i, line in enumerate(example_lines(block.group(1)))]
+    for page in documents():
+        text = (REPO / page).read_text(encoding="utf-8")
+        for block in re.finditer(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+            where = f"{page} line {text.count(chr(10), 0, block.start()) + 1}"
+            found += [Example(where, i, line) for i, line in enumerate(example_lines(block.group(1)))]
     return found
 
 
-EXAMPLES = epilog_examples() + readme_examples()
+EXAMPLES = epilog_examples() + page_examples()
 
 
 def nanopt_argv(line: str) -> tuple[list[str], int]:
@@ -142,8 +152,12 @@ def outputs(command: str, params: dict) -> set[Path]:
         return {params["out"] or RunDir(params["run_dir"]).export_dir}
     if command == "import":
         return {params["run"]}
+    if command == "plan":  # a new run directory
+        return {params["out"]}
     if command == "estimate" and params.get("write_model"):
         return {params["write_model"]}
+    if command == "plan":
+        return {params["out"]}
     if command == "train" and (REPO / params["run_dir"] / "train.json").is_file():
         return kept_checkpoints(params["run_dir"], params["sets"] or [])
     return set()
@@ -176,10 +190,13 @@ def is_available(path: Path, repository: set[Path], made: set[Path]) -> bool:
 # ---------------------------------------------------------------------------------------------------- tests
 
 
-def test_every_command_has_examples_and_so_does_the_readme():
+def test_every_command_has_examples_and_so_do_the_pages():
     blocks = {e.block for e in EXAMPLES}
     assert {f"nanopt {name} --help" for name in cli_group().commands} <= blocks
-    assert sum(e.block.startswith("README.md") for e in EXAMPLES) >= 25
+    assert sum(e.block.startswith("README.md") for e in EXAMPLES) >= 8  # the demo and the GPU quickstart
+    assert sum(e.block.startswith("docs") for e in EXAMPLES) >= 80
+    tutorials = {Path(e.block.split(" line ")[0]) for e in EXAMPLES if e.block.startswith("docs/tutorials/")}
+    assert len(tutorials) >= 3, tutorials
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])

@@ -1,5 +1,5 @@
 """A run directory and a dataset from a stranger, damaged or crafted one file at a time, through the real readers of
-`nanopt train`, `nanopt eval` and `nanopt export` (DESIGN.md, trust boundary).
+`nanopt train`, `nanopt eval` and `nanopt export` (docs/design.md, the trust boundary).
 
 Every file of a real trained run (configs, metrics.jsonl, pointers, each checkpoint's meta.json, weights, optimizer
 state and tokenizer) and of its real dataset (meta.json, tokenizer.json, shards) is a target; hypothesis picks one

@@ -1,4 +1,4 @@
-"""Writing never follows a link (issue #34, section 2; DESIGN.md "Trust boundary"), and new files' modes are safe.
+"""Writing never follows a link (docs/design.md, "The trust boundary"), and new files' modes are safe.
 
 A real trained run is copied, a symbolic link is planted at one path nanopt writes or deletes in it, pointing at a
 "victim" outside the run, and the real command runs (`nanopt train`, `train --resume none`, `nanopt eval`). It must
@@ -145,8 +145,9 @@ def test_eval_refuses_a_link_where_it_writes_and_leaves_its_target_alone(world, 
 @pytest.mark.parametrize(("rel", "args"), [("checkpoints", ()), ("previous", ("--resume", "none"))])
 def test_a_file_where_a_directory_belongs_is_refused_before_the_first_step(tmp_path: Path, tiny_dataset: Path,
                                                                            launcher: Launcher, rel: str, args):
-    """Issue #26 item 1: a `checkpoints` file used to train until the first save, then fail with a disk-space
-    hint. Now it is refused before anything is written (no lock, no metrics), with a hint that fits."""
+    """A `checkpoints` file used to train until the first save, then fail with a disk-space hint that sent the
+    user after the wrong problem. Now it is refused before anything is written (no lock, no metrics), with a hint
+    that fits."""
     run = tiny_run(tmp_path, tiny_dataset, "run", max_steps=4, checkpoint_interval=2)
     (run / "metrics.jsonl").write_text("")  # a run with something for --resume none to move aside
     (run / rel).write_text("a file of the user's\n")

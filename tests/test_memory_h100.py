@@ -1,6 +1,6 @@
 """The memory model against what an H100 measured, and its terms as golden values derived tensor by tensor.
 
-The measurements are the first GPU window's (issue #35: bench/gpusession on one H100 80GB HBM3, torch 2.11, CUDA 13,
+The measurements are the first GPU window's (bench/gpusession on one H100 80GB HBM3, torch 2.11, CUDA 13,
 bf16, random tokens, a step of one micro-batch, the peak reset after a warm-up step): nanopt's peak, the allocator's
 peak reserved bytes plus the CUDA context. The model was derived from the tensors each op saves (nanopt.model.memory's
 docstrings), not fitted to these figures; all of them are checked at once.

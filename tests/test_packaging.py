@@ -1,5 +1,6 @@
-"""Installing nanopt: its metadata builds without a warning from setuptools (issue #29: `pip install` printed
-"project.license as a TOML table is deprecated" three times), and says the license as an SPDX expression."""
+"""Installing nanopt: its metadata builds without a warning from setuptools (`pip install` printed
+"project.license as a TOML table is deprecated" three times, which reads as a broken package), and says the license
+as an SPDX expression."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Output people can read and config people can write (issue #19, item 7): the run comparison at 80 columns and
+"""Output people can read and config people can write : the run comparison at 80 columns and
 through a pipe, no library log lines around nanopt's own, `--version`, every boolean flag as `--x/--no-x`, token
 counts such as `5M` in train.json and `--set`, and `--set` of one budget key replacing the other."""
 

@@ -1,6 +1,7 @@
-"""Resuming on another number of ranks is one command (issue #29): a micro-batch the new world size cannot take is
-lowered by the session itself and said, and a micro-batch that differs from the checkpoint's because the world size
-changed needs no --allow-changed. A fresh run keeps the one-line error that says which numbers work.
+"""Resuming on another number of ranks is one command (an elastic restart on fewer GPUs needs no person): a micro-batch
+the new world size cannot take is lowered by the session itself and said, and a micro-batch that differs from the
+checkpoint's because the world size changed needs no --allow-changed. A fresh run keeps the one-line error that says
+which numbers work.
 
 Real processes: the first session on one process, the next on two gloo ranks under torchrun, then one again."""
 

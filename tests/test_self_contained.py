@@ -1,4 +1,4 @@
-"""Self-contained runs (issue #19): a checkpoint carries its tokenizer, so export and sampling need no dataset and
+"""Self-contained runs: a checkpoint carries its tokenizer, so export and sampling need no dataset and
 eval checks any dataset against it; generation says why it stopped and refuses a prompt that fills the context;
 what nanopt writes gets 0644 / 0755 less the umask; `best` only names an evaluated checkpoint.
 
@@ -258,7 +258,7 @@ def test_checkpoints_exports_and_results_get_the_permissions_of_a_plain_open(wor
 
 @pytest.mark.parametrize("mask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
 def test_a_rewritten_json_file_gets_a_new_files_mode_without_group_or_world_write(tmp_path: Path, mask: int):
-    """Changed by issue #34: a rewritten file used to keep its own mode, so a world-writable train.json that was
+    """A rewritten file used to keep its own mode, so a world-writable train.json that was
     downloaded stayed world-writable (and it holds `on_exit`, a shell command). Now it gets 0644 less the umask, as
     a new file does: group and world never get write, whatever the umask or the old mode."""
     shared = tmp_path / "train.json"  # as `nanopt find-batch --write` rewrites a run's train.json

@@ -1,7 +1,7 @@
-"""What nanopt shows of files that may come from someone else (issue #34, section 4; DESIGN.md "Trust boundary"):
+"""What nanopt shows of files that may come from someone else (docs/design.md, "The trust boundary"):
 a path inside a suggested command pastes back as that path, control characters and rich markup from files are
-shown and never obeyed, and train.json's on_exit is announced before the first step. Also two outcomes of section 6:
-a NaN from step 1 says there is nothing to roll back to and why, and estimate's rates are bounded.
+shown and never obeyed, and train.json's on_exit is announced before the first step. Also two outcomes that were
+once a traceback: a NaN from step 1 says there is nothing to roll back to and why, and estimate's rates are bounded.
 
 Each case runs the real CLI (a subprocess, or a process forked by the warm launcher) on crafted directories.
 """

@@ -1,4 +1,4 @@
-"""`nanopt tokenize` on a newcomer's own corpus and tokenizer (issue #19): what a first run on one's own data met.
+"""`nanopt tokenize` on a newcomer's own corpus and tokenizer: what a first run on one's own data met.
 
 - A `--max-tokens` the corpus cannot fill says how much train got and how often a run to that budget repeats it.
 - val and test are filled by tokens (the run's eval_tokens, or 1,048,576), taking at most 5% of a small corpus

@@ -1,5 +1,6 @@
 """A dataset or a run directory from someone else: reading one never blocks, never gives a traceback, and every
-number read from it is range-checked where it is read (security issue #34, the reading side).
+number read from it is range-checked where it is read (SECURITY.md; the reading side of
+docs/design.md's trust boundary).
 
 - A property test puts wrong types, 0, negatives, NaN, infinities, 2**63, 2**70, numbers of 4,000 and 5,000
   digits, long strings, paths out of the dataset and nested junk into every field of a real meta.json (made by

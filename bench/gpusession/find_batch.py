@@ -15,7 +15,7 @@ from gpusession.isolation import graph_state, run_nanopt
 from gpusession.presets import gpt2_micro, preset
 from gpusession.records import Context, append_record, base_record, gib, read_records
 
-TARGET_S = 120.0  # issue #13: find-batch within 2 minutes
+TARGET_S = 120.0  # find-batch answers within 2 minutes (bench/RESULTS.md's targets)
 
 
 def _device_bytes() -> int | None:

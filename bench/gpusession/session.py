@@ -1,4 +1,4 @@
-"""One GPU session: the measurements issues #12, #13 and #35 need, in ONE call of about 9 minutes, every record in
+"""One GPU session: the measurements bench/RESULTS.md's targets need, in ONE call of about 9 minutes, every record in
 OUT/results.jsonl the moment it exists and on stdout as one compact line, a summary table at the end.
 
     git rev-parse --short HEAD > bench/COMMIT        # before shipping the tree (the GPU machine gets no .git)

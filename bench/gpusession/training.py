@@ -32,7 +32,7 @@ from gpusession.records import REPO, Context, append_record, base_record, gib, r
 EARLY_STEPS = 10  # the first steps: the two runs are still nearly the same model
 EARLY_ABS_TOL = 0.05  # nats per step
 LATE_REL_TOL = 0.02  # mean loss over the last fifth of the steps, relative
-RESUME_TOL = 1e-3  # nats: a resumed run continues the uninterrupted one's curve (issue #35's target)
+RESUME_TOL = 1e-3  # nats: a resumed run continues the uninterrupted one's curve (bench/RESULTS.md's resume target)
 
 
 def compare_curves(bf16: dict[int, float], fp32: dict[int, float]) -> dict[str, Any]:
