@@ -112,7 +112,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return value
         shape = "{\"key\": value, ...}" if origin is dict else "[item, ...]"
         raise ConfigError(f"{where}: expected {_describe(annotation)}, got {show_value(value)}",
-                          f"write it as {shape}; see the README's train.json table")
+                          f"write it as {shape}; see docs/config.md")
     raise TypeError(f"unsupported annotation {annotation!r}")  # a bug in nanopt, not a user error
 
 

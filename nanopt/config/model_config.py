@@ -120,7 +120,3 @@ class ModelConfig:
 
 def _llama_intermediate(hidden: int) -> int:
     return 256 * math.ceil(int(8 * hidden / 3) / 256)
-
-
-def _llama_intermediate(hidden: int) -> int:
-    return 256 * math.ceil(int(8 * hidden / 3) / 256)

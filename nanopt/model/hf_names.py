@@ -22,7 +22,7 @@ from nanopt.errors import ConfigError
 # model_type -> the transformers class of that family
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gpt2": "GPT2LMHeadModel"}
-_HINT = "train with a combination a transformers model has (see README, nanopt export), or keep the run in nanopt"
+_HINT = "train with a combination a transformers model has (see docs/export-import.md), or keep the run in nanopt"
 
 
 class HFTensor(NamedTuple):
