@@ -10,6 +10,7 @@
       holds/step-N.ID                 a checkpoint a reader is using: retention keeps it (nanopt.train.checkpoint.hold)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
       preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight_record)
+      plan.json  prediction.json      what `nanopt plan` chose and why; what was predicted before the first step
       tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
       on_exit.log                     the output of the train.json / --on-exit command, run after each session
       on_event.log  health.png        the output of the --on-event command; `nanopt eval --health`'s chart
@@ -40,6 +41,8 @@ HOLDS_DIR = "holds"
 FIND_BATCH_FILE = "find_batch.json"
 PROFILE_DIR = "profile"
 PREFLIGHT_FILE = "preflight.json"
+PLAN_FILE = "plan.json"
+PREDICTION_FILE = "prediction.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # W&B names its own folder: this is where it lands when given the run directory
 EXIT_HOOK_LOG = "on_exit.log"
@@ -129,6 +132,14 @@ class RunDir:
         return self.root / PREFLIGHT_FILE
 
     @property
+    def plan_json(self) -> Path:
+        return self.root / PLAN_FILE
+
+    @property
+    def prediction_json(self) -> Path:
+        return self.root / PREDICTION_FILE
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / TENSORBOARD_DIR
 
@@ -176,7 +187,7 @@ class RunDir:
         whole: where a link, or anything but a regular file, is refused before the first write
         (nanopt.files.check_run_dir)."""
         replaced = [self.metrics, self.chart, self.eval_json, self.find_batch_json, self.preflight_json,
-                    self.health_chart, *(self.checkpoints / name for name in POINTERS)]
+                    self.prediction_json, self.health_chart, *(self.checkpoints / name for name in POINTERS)]
         return [self.lock, self.exit_hook_log, self.event_hook_log, self.eval_history, *replaced,
                 *(temporary(path) for path in replaced)]
 

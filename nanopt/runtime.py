@@ -147,7 +147,7 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bo
         settings = allocator_settings()
         if settings is not None:  # before the first CUDA allocation: segments made earlier would keep the old kind
             torch.cuda.memory._set_allocator_settings(settings)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", _device_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -157,6 +157,12 @@ def init_runtime(precision: str = "auto", timeout_s: int | None = None, tf32: bo
                                 device_id=device if device.type == "cuda" else None)
     return with_tf32(Runtime(device=device, rank=rank, local_rank=local_rank, world_size=world,
                              precision=resolve_precision(precision, device)), tf32)
+
+
+def _device_index(local_rank: int, visible: int) -> int:
+    """The GPU a rank uses: its local rank, except where it sees one GPU only. SLURM's --gpus-per-task (or
+    --gpu-bind) gives each task of srun its own GPU, then the only one it sees, whatever its local rank."""
+    return 0 if visible == 1 else local_rank
 
 
 def runtime_on(device: str) -> Runtime:

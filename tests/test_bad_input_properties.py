@@ -12,10 +12,10 @@ digits, 100,000-character strings, deeply nested arrays) go into
 and paths of the wrong kind (a file where a directory belongs and the other way round) and JSON files with torn or
 garbage tails go where a run directory, model.json, train.json or a dataset belong.
 
-Only values that are invalid by construction are generated: an independent oracle (the `could_be_valid` functions
-below, written from the README's description of each key and option, not from nanopt's code) throws away anything
-that might be a legitimate value. So every case must fail, with exactly one line that starts with `error:` and names
-what is wrong, exit status 2, no traceback, and the run directory, the dataset and every output path byte-for-byte
+Only values that are invalid by construction are generated: an independent oracle (the `could_be_valid` functions below,
+written from the documented description of each key (docs/config.md) and option, not from nanopt's code) throws away
+anything that might be a legitimate value. So every case must fail, with exactly one line that starts with `error:` and
+names what is wrong, exit status 2, no traceback, and the run directory, the dataset and every output path byte-for-byte
 as they were. Every case runs in this process through the CLI's entry point and must fail before any model is
 built: a bad value costs milliseconds, not a training step. Hypothesis runs derandomized, so CI sees the same
 examples every time.
@@ -273,6 +273,8 @@ SPAWNING_OPTIONS = {"--nproc-per-node", "--nnodes"}
 def command_calls(world: dict[str, Path], run: Path) -> dict[str, list[object]]:
     """How to call each command so that everything but the option under test is right (outputs beside `run`)."""
     return {
+        "plan": ["plan", "--budget", "30s", "--gpu", "cpu", "--data", world["dataset"], "--out", run.parent / "planned",
+                 "--max-epochs", "1000"],
         "estimate": ["estimate", run],
         "tokenize": ["tokenize", world["corpus"], "--out", run.parent / "new-data", "--vocab-size", "300"],
         "find-batch": ["find-batch", run, "--max-memory", "1GiB", "--max", "1"],

@@ -32,8 +32,8 @@ from nanopt.shown import printable
 app = App(
     name="nanopt",
     cls=HelpGroup,
-    help="Pretrain decoder-only language models with PyTorch: estimate, tokenize, find-batch, profile, preflight, "
-         "train, eval, export, and import from transformers.\n\n"
+    help="Pretrain decoder-only language models with PyTorch: plan from a budget, estimate, tokenize, find-batch, "
+         "profile, preflight, train, eval, export, and import from transformers.\n\n"
          "Quick start: `make demo` (CPU, built-in corpus), or see README.md for a GPU run.",
     no_args_is_help=True,
     add_completion=False,

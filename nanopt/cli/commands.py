@@ -2,7 +2,8 @@
 
 import importlib
 
-LIFECYCLE = ("estimate", "tokenize", "find_batch", "profile", "preflight", "train", "eval", "export", "importer")
+LIFECYCLE = ("plan", "estimate", "tokenize", "find_batch", "profile", "preflight", "train", "slurm", "eval", "export",
+             "importer")
 
 for _module in LIFECYCLE:
     importlib.import_module(f"nanopt.cli.{_module}")

@@ -15,6 +15,7 @@ from nanopt.cli.app import app, console, print_json
 from nanopt.cli.eval_tasks import harness_options, render_tasks, task_options
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
+from nanopt.cli.prediction_display import prediction_table
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
 
@@ -268,6 +269,8 @@ def _render_one(r: dict[str, Any]) -> None:
     out.print(table)
     if r.get("time"):
         out.print(fmt.phase_table(r["time"], f"time and cost per phase to step {r['step']:,}"))
+    if r.get("prediction"):
+        out.print(prediction_table(r["prediction"]))
     _render_samples(r)
 
 

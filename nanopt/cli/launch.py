@@ -33,6 +33,7 @@ from nanopt.cli.rank_errors import ERROR_DIR_ENV, RankError, collected, lines_to
 from nanopt.errors import ConfigError
 from nanopt.parsing import check_option
 from nanopt.runtime import under_torchrun
+from nanopt.slurm import SlurmLayout, slurm_job, slurm_layout
 
 # Exit status of a run stopped by SIGTERM / SIGINT before its end, its state saved (EX_TEMPFAIL: try again). Not 0,
 # so a job scheduler or retry loop does not take a preempted run for a finished one.
@@ -64,6 +65,34 @@ def launch_if_asked(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, en
     check_launcher_options(nproc_per_node, nnodes, node_rank, endpoint, max_restarts)
     if (nproc_per_node * nnodes > 1 or max_restarts) and not under_torchrun():
         run_torchrun(nproc_per_node, nnodes, node_rank, endpoint, max_restarts)
+
+
+def slurm_launcher(explicit: bool, environ: dict[str, str] | os._Environ = os.environ) -> SlurmLayout | None:
+    """The layout SLURM gave this task of `srun`, or None: outside srun, inside a rank that a launcher started (its
+    WORLD_SIZE set), or when the command line names the layout itself (`explicit`), which then wins. A task that is
+    one rank gets torchrun's variables here, so the rest of nanopt sees a rank as under torchrun."""
+    if explicit or "WORLD_SIZE" in environ:
+        return None
+    job = slurm_job(environ)
+    if job is None:
+        return None
+    layout = slurm_layout(job)
+    environ.update(layout.rank_env)
+    return layout
+
+
+@contextlib.contextmanager
+def slurm_named(layout: SlurmLayout | None) -> Iterator[None]:
+    """A layout mistake (train.json's batch does not split over the ranks) said with what SLURM gave: the numbers
+    came from the job's allocation, not from an option on the command line."""
+    try:
+        yield
+    except ConfigError as exc:
+        if layout is None:
+            raise
+        raise ConfigError(f"{layout.describe()}, but {exc.message}",
+                          f"{exc.hint}; or ask SLURM for a GPU count the batch splits over (sbatch --nodes, "
+                          "--gpus-per-node)".lstrip("; ")) from None
 
 
 def check_launcher_options(nproc_per_node: int, nnodes: int, node_rank: int, endpoint: str | None = None,
@@ -115,6 +144,9 @@ def run_torchrun(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, 
         # The command's own arguments follow a `--`: otherwise torchrun's parser reads options such as --start or
         # --max as abbreviations of its own (--start-method, --max-restarts) and stops.
         started = time.monotonic()
+        # SLURM's pre-limit USR1 (sbatch --signal=USR1@SECONDS) would end this process at once; torchrun's agent
+        # passes SIGTERM on to the ranks, which then save and stop as for a preemption.
+        signal.signal(signal.SIGUSR1, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
         try:
             torchrun_main(args + ["-m", "nanopt", "--", *strip_launcher_options(sys.argv[1:])])
         except SignalException as exc:  # torchrun passed the signal on to every rank and waited for them

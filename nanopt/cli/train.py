@@ -15,10 +15,10 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
 from nanopt.cli.health import health_table
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
-from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked
+from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked, slurm_launcher, slurm_named
 from nanopt.cli.mixture_display import source_tables
+from nanopt.cli.prediction_display import PredictingDisplay, prediction_table
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
-from nanopt.cli.train_display import Display
 from nanopt.errors import ConfigError, DistributedError
 from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
@@ -114,6 +114,10 @@ def train_command(
                                         "'curl -d \"$NANOPT_EVENT\" https://ntfy.sh/mytopic'."),
 ) -> None:
     """Train a run to its token budget: resumable, DDP or FSDP2, bf16 and compile on CUDA, live metrics."""
+    slurm = slurm_launcher(_layout_given(ctx))  # under srun: the job's nodes and GPUs, unless options say otherwise
+    if slurm is not None:
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint = (1, 1, 0, None) if slurm.per_task else (
+            slurm.nproc_per_node, slurm.nnodes, slurm.node_rank, slurm.endpoint)
     check_launcher_options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     hook = _ExitHook(run_dir, on_exit)
     with hook:  # a train.json that cannot be read still runs the --on-exit command
@@ -124,9 +128,10 @@ def train_command(
             from nanopt.evaluate.tasks.catalog import parse_tasks
 
             parse_tasks(run.train.downstream_tasks, "train.json: key 'downstream_tasks'", ConfigError)
-        if not under_torchrun():
+        if not under_torchrun() or slurm is not None:
             # Catch config mistakes here, as one line and exit 2, before torchrun wraps them in its own report.
-            micro_batch_for_world(run, nproc_per_node * nnodes, resume)
+            with slurm_named(slurm):
+                micro_batch_for_world(run, slurm.world_size if slurm else nproc_per_node * nnodes, resume)
     # torchrun's launcher leaves here with its ranks' exit status: rank 0 among them runs the hook, never this process.
     launch_if_asked(nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     from nanopt.evaluate.tasks.inloop import InLoopTasks
@@ -138,8 +143,12 @@ def train_command(
         downstream = InLoopTasks.from_run(run.train, run.run_dir)
         summary = train(run, TrainOptions(resume=resume, allow_changed=allow_changed, started=started,
                                           downstream=downstream),
-                        Display(live=not no_live, on_health=_event_hook(run, on_event)))
+                        PredictingDisplay(run, ranks().world_size, live=not no_live,
+                                          on_health=_event_hook(run, on_event)))
         if ranks().is_main:
+            from nanopt.train.prediction import compared
+
+            summary["prediction"] = compared(run.run_dir)
             if as_json:
                 print_json(summary)
             else:
@@ -203,6 +212,13 @@ class _ExitHook:
         _print_hook_result(exit_hook.run_exit_hook(self.command, reason, self.run_dir, self.timeout_s, details))
 
 
+def _layout_given(ctx: typer.Context) -> bool:
+    """Whether the command line names the ranks' layout itself, which then wins over SLURM's."""
+    names = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
+    # By name: Typer carries its own copy of click, whose ParameterSource is not click's.
+    return any(getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT" for name in names)
+
+
 def _event_hook(run: Any, command: str | None) -> Any:
     """The --on-event runner the display calls on a verdict (rank 0): the command in a thread of its own, so the
     training steps go on while it runs, then one line saying what became of it. None without --on-event."""
@@ -248,8 +264,9 @@ def _print_hook_result(result: Any, what: str = "on-exit") -> None:
 def _summary_table(s: dict[str, Any]) -> Group:
     """The run's outcome, then where its time and money went."""
     health = [health_table(s["health"], "health of this run")] if s.get("health") else []
+    predicted = [prediction_table(s["prediction"])] if s.get("prediction") else []
     return Group(_outcome_table(s), *source_tables(s), *health,
-                 fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"))
+                 fmt.phase_table(s["time"], f"time and cost per phase: {_sessions(s['time'])}"), *predicted)
 
 
 def _sessions(t: dict[str, Any]) -> str:

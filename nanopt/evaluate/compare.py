@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from nanopt.model.flops import count_params
 from nanopt.train.metrics import read_metrics
 from nanopt.train.phases import newest_per_session, run_time
+from nanopt.train.prediction import compared
 
 if TYPE_CHECKING:
     from nanopt.evaluate.trained import TrainedModel
@@ -82,7 +83,9 @@ def training_record(trained: TrainedModel) -> dict[str, Any]:
             "train_device_type": meta.get("device_type"),
             "train_seconds": training_seconds(records, trained.checkpoint.step),
             # Each training session's time per phase to this checkpoint: `compare` prices them.
-            "train_sessions": newest_per_session(records, trained.checkpoint.step)}
+            "train_sessions": newest_per_session(records, trained.checkpoint.step),
+            # What was predicted before the first step, against what training measured to this checkpoint.
+            "prediction": compared(run.run_dir, trained.checkpoint.step, records)}
 
 
 def training_seconds(records: list[dict[str, Any]], up_to_step: int) -> float | None:

@@ -1,5 +1,5 @@
-"""A stop asked of a training run (SIGTERM from a scheduler or torchrun, Ctrl-C) ends it at a step boundary with a
-checkpoint, on every rank together, instead of losing the steps since the last one."""
+"""A stop asked of a training run (SIGTERM from a scheduler or torchrun, Ctrl-C, SLURM's pre-limit USR1) ends it at
+a step boundary with a checkpoint, on every rank together, instead of losing the steps since the last one."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ from typing import Any
 
 from nanopt.train.session import Session
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
 
 class preemption_handler:
-    """SIGTERM / SIGINT set a flag; the next step's all-reduce makes every rank stop and save together."""
+    """SIGTERM / SIGINT / SIGUSR1 set a flag; the next step's all-reduce makes every rank stop and save together.
+    SIGUSR1 is what `sbatch --signal=USR1@SECONDS` sends before a job's time limit."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
