@@ -174,7 +174,10 @@ TRAIN_DETAILS = [
     (('data',), 'required', """
         dataset directory made by `nanopt tokenize`; a relative path is relative to the run directory
         (`"../../data/stdlib"` for `runs/demo`), so every command finds it from any working directory; `--set
-        data=DIR` is relative to the current directory, like any path typed in a shell. A resume may follow a
+        data=DIR` is relative to the current directory, like any path typed in a shell, and so are the paths of a
+        mixture given with `--set 'data={...}'` (a source keyed by its path keeps that key as its name). Messages
+        show the path train and eval look at one way: with `..` folded (`data/stdlib`, not
+        `runs/demo/../../data/stdlib`) and relative to the current directory when under it. A resume may follow a
         moved dataset: only its contents must stay the same. Or a mixture: `{"NAME": {"path": DIR, "weight": W},
         ...}` or `{DIR: W, ...}` (see [a data mixture](tutorials/mixture.md))
         """),
@@ -424,7 +427,8 @@ TRAIN_TOKEN_COUNTS = """
 TRAIN_GRAD_ACCUM = """
     Gradient accumulation is derived: `global_batch_tokens / (micro_batch_size x seq_len x world_size)`. A division
     that is not exact is an error that names values that work. Any command that takes a run directory accepts `--set
-    KEY=VALUE` (repeatable) to override a train.json value for that invocation only.
+    KEY=VALUE` (repeatable) to override a train.json value for that invocation only; a model.json key (`--set
+    vocab_size=1024`) is refused with the file to edit instead, as the model's shape is model.json's alone.
 """
 
 MISTAKES = """

@@ -281,6 +281,7 @@ def command_calls(world: dict[str, Path], run: Path) -> dict[str, list[object]]:
         "profile": ["profile", run],
         "preflight": ["preflight", run],
         "train": ["train", run, "--no-live"],
+        "slurm": ["slurm", run, "--nodes", "1", "--gpus-per-node", "2", "--cpu"],
         "eval": ["eval", run],
         "export": ["export", run, "--out", run.parent / "exported"],
         "import": ["import", world["root"] / "hf-model", "--run", run.parent / "imported"],  # no numeric option

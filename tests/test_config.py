@@ -106,6 +106,17 @@ def test_set_with_unknown_key_names_the_override(run_dir: Path):
     assert_user_error(result, "unknown key 'learning_rat'", "--set", "did you mean 'learning_rate'")
 
 
+@pytest.mark.parametrize("command", ["train", "estimate"])
+def test_set_with_a_model_json_key_says_to_edit_model_json(run_dir: Path, command: str, cli_in_process):
+    before = sorted(p.name for p in run_dir.iterdir())
+    live = ["--no-live"] if command == "train" else []
+    result = cli_in_process(command, run_dir, "--set", "vocab_size=1024", *live)
+    assert_user_error(result, "--set vocab_size=1024: vocab_size is a key of model.json",
+                      "--set changes train.json only", f'edit {run_dir / "model.json"}: "vocab_size": 1024')
+    assert "known keys" not in result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written
+
+
 def test_set_without_equals_sign():
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_overrides(["learning_rate"])

@@ -131,3 +131,30 @@ def test_a_muon_run_is_offered_only_the_layouts_muon_runs_with(cli_in_process):
     assert {r["parallelism"] for r in ladder["rows"]} == {"ddp", "zero2", "fsdp"}
     assert {r["optimizer"] for r in ladder["rows"]} == {"muon"}
     check_against_the_verdict(RUNS / "llama-3.2-1b", ladder, "rtx-4090")
+
+
+def printed_rows(text: str, header: str) -> list[list[str]]:
+    """The rows of the table whose header line starts with `header`, split on runs of two spaces or more."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [header]) + 2  # past the rule
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_a_small_run_compared_shows_each_cost_and_piped_tables_are_whole(cli_in_process,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """The demo trains in well under a second on any card: its time and cost still read (not 0.0s and $0.0000),
+    cheapest first; and at a pipe's 80 columns no table cuts a cell short."""
+    monkeypatch.setenv("COLUMNS", "80")
+    result = cli_in_process("estimate", RUNS / "demo", "--gpu", "h100-sxm", "--compare-gpus")
+    assert result.returncode == 0, result.stderr
+    assert "\u2026" not in result.stdout, result.stdout  # rich's ellipsis: a cell cut short
+    rows = printed_rows(result.stdout, "GPU")
+    assert {row[0] for row in rows} == set(GPUS)
+    per_token = [float(row[-1].lstrip("$")) for row in rows]
+    assert all(cost > 0 for cost in per_token) and per_token == sorted(per_token)
+    assert all(float(row[-2].lstrip("$")) > 0 and row[-3] != "0.0s" for row in rows)

@@ -142,3 +142,20 @@ def test_a_muon_run_is_offered_fsdp2_layouts_too(cli_in_process):
                         "--set", "optimizer=muon")
     assert row(table, 8)["fits"] and row(table, 8)["layout"]["parallelism"] in ("zero2", "fsdp")
     assert row(table, 8)["layout"]["optimizer"] == "muon"
+
+
+def test_a_gpu_count_the_global_batch_does_not_split_over_is_not_marked_as_fitting(cli_in_process):
+    """The demo's global batch is 8 sequences: on 16 GPUs and more it does not split, and the note under the table
+    says so; the train.json column must say the same, not "fits"."""
+    table = parallelism(cli_in_process, RUNS / "demo", "--gpu", "h100-sxm")
+    for gpus in (16, 32, 64):
+        own = row(table, gpus)["run_layout"]
+        assert "does not split" in row(table, gpus)["note"]
+        assert (own["fits"], own["batch_splits"]) == (False, False)
+    assert row(table, 8)["run_layout"]["fits"] and row(table, 8)["run_layout"]["batch_splits"]
+    text = cli_in_process("estimate", RUNS / "demo", "--gpu", "h100-sxm")
+    lines = {line.split()[0]: line.split() for line in text.stdout.splitlines() if line.split()[:1] in
+             (["8"], ["16"], ["32"], ["64"]) and "DDP" in line}
+    assert lines["8"][-1] == "fits" and all(lines[gpus][-1] == "batch" for gpus in ("16", "32", "64")), text.stdout
+    assert "batch: the global batch does not split over this many GPUs (the note below)" in " ".join(
+        text.stdout.split())

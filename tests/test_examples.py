@@ -156,8 +156,6 @@ def outputs(command: str, params: dict) -> set[Path]:
         return {params["out"]}
     if command == "estimate" and params.get("write_model"):
         return {params["write_model"]}
-    if command == "plan":
-        return {params["out"]}
     if command == "train" and (REPO / params["run_dir"] / "train.json").is_file():
         return kept_checkpoints(params["run_dir"], params["sets"] or [])
     return set()

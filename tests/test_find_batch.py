@@ -271,6 +271,26 @@ def test_the_search_starts_at_the_memory_models_prediction(tmp_path: Path, tiny_
     assert report["isolation"] == "process"
 
 
+def test_the_memory_models_largest_is_one_statement(tmp_path: Path, tiny_dataset: Path, cli_on_cpu,
+                                                    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """Before any trial (the search's start) this process's memory stands in for a trial's baseline on the CPU;
+    after them the model has the measured one. One row gives the model's largest, the start only as what it is."""
+    report = find_batch_json(cli_on_cpu, tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=6 * 16),
+                             "--max-memory", "4GiB", "--max", "3")
+    first, largest = report["predicted_micro_batch"], report["calibration"]["predicted_max_micro_batch"]
+    from nanopt.cli.find_batch import render
+
+    monkeypatch.setenv("COLUMNS", "250")  # one table row per line
+    capsys.readouterr()
+    render(report)
+    rows = {line.split("\u2502")[1].strip(): line.split("\u2502")[2].strip()
+            for line in capsys.readouterr().out.splitlines() if line.count("\u2502") == 3}
+    assert rows["search"].startswith("started at 3 (from the memory model's estimate)"), rows["search"]
+    assert first != largest  # this process holds more than a fresh trial process does
+    assert rows["memory model: largest"] == (f"{largest}, of the usable sizes 6 (error -); {first} before the first "
+                                             "trial measured a process's own memory (the search's start)")
+
+
 def test_in_process_trials_are_judged_by_their_own_peak_and_bounded_in_number(tmp_path: Path, tiny_dataset: Path,
                                                                              cli_on_cpu):
     run = tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=8 * 16)

@@ -43,7 +43,8 @@ def test_a_missing_dataset_names_the_path_it_looked_at(project: Path, cli_in_pro
     shutil.rmtree(project / "data")
     monkeypatch.chdir(project)
     result = cli_in_process("train", "runs/r")
-    assert_user_error(result, "'../../data/tiny'", str(Path("runs/r/../../data/tiny")), "nanopt tokenize")
+    assert_user_error(result, "error: data/tiny: dataset directory not found", "'../../data/tiny'",
+                      "--out data/tiny")  # the path it looked at, folded: not runs/r/../../data/tiny
     assert not (project / "runs" / "r" / "checkpoints").exists()
 
 
@@ -58,6 +59,19 @@ def test_a_path_written_from_the_project_root_gets_the_corrected_value_as_hint(p
     assert_user_error(result, "runs/r/data/tiny", '"../../data/tiny"')
 
 
+def test_train_and_eval_show_a_dataset_path_alike_relative_and_folded(project: Path, cli_in_process,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """However the dataset was named (train.json's "../../data/tiny", `--set data=` made absolute, `--data` with a
+    `..`), a message shows the path one way: folded, and relative to the current directory under it."""
+    monkeypatch.chdir(project)
+    assert cli_in_process("train", "runs/r").returncode == 0  # a checkpoint for eval
+    (project / "data" / "tiny" / "train" / "shard-00000.npy").unlink()
+    for argv in (["train", "runs/r"], ["train", "runs/r", "--set", "data=data/tiny"], ["eval", "runs/r"],
+                 ["eval", "runs/r", "--data", "runs/r/../../data/tiny"], ["eval", project / "runs" / "r"]):
+        result = cli_in_process(*argv, "--no-live" if argv[0] == "train" else "--no-samples")
+        assert_user_error(result, "error: data/tiny/train/shard-00000.npy: shard file not found")
+
+
 def test_set_data_is_relative_to_the_current_directory(project: Path, cli_in_process,
                                                        monkeypatch: pytest.MonkeyPatch):
     """A path typed on the command line means what it means in the shell."""
@@ -67,6 +81,20 @@ def test_set_data_is_relative_to_the_current_directory(project: Path, cli_in_pro
     assert result.returncode == 0, result.stderr
     meta = json.loads(next((project / "runs" / "r" / "checkpoints").glob("step-*/meta.json")).read_text())
     assert meta["config"]["train"]["data"] == os.path.abspath(project / "moved")
+
+
+def test_a_mixture_set_on_the_command_line_is_relative_to_the_current_directory(project: Path, cli_in_process,
+                                                                                  monkeypatch: pytest.MonkeyPatch):
+    """`--set 'data={...}'` is typed in a shell too: its paths mean what `--set data=DIR` means, in both forms of
+    a mixture (keyed by name, with a path; keyed by the path), and a path-keyed source keeps its name."""
+    shutil.copytree(project / "data" / "tiny", project / "data" / "copy")
+    monkeypatch.chdir(project)
+    mixture = json.dumps({"web": {"path": "data/tiny", "weight": 3}, "data/copy": 1})
+    result = cli_in_process("train", "runs/r", "--no-live", "--set", f"data={mixture}")
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(next((project / "runs" / "r" / "checkpoints").glob("step-*/meta.json")).read_text())
+    assert meta["config"]["train"]["data"] == {"web": {"path": str(project / "data" / "tiny"), "weight": 3},
+                                               "data/copy": {"path": str(project / "data" / "copy"), "weight": 1}}
 
 
 def test_resume_after_the_dataset_moved(project: Path, cli_in_process, monkeypatch: pytest.MonkeyPatch):

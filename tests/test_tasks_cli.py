@@ -83,3 +83,15 @@ def test_mistakes_are_one_line(trained: Path, task_data: Path, tmp_path: Path, c
     offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     assert_user_error(launcher.run("eval", trained, "--tasks", "piqa", "--no-samples", "--no-loss", env=offline),
                       "piqa: could not load baber/piqa", "--task-data")
+
+
+def test_a_missing_task_file_is_found_before_any_checkpoint_is_read(tiny_dataset: Path, tmp_path: Path,
+                                                                    cli_in_process):
+    """`--tasks all` with one task's file missing: one line at once, not after the model was loaded and the tasks
+    before it were scored. The run has no checkpoint at all: only a check made first can report the task file."""
+    task_data = write_task_data(tmp_path / "tasks")
+    (task_data / "piqa.jsonl").unlink()
+    (task_data / "winogrande.jsonl").unlink()
+    run = make_run(tmp_path, tiny_dataset, "untrained")
+    result = cli_in_process("eval", run, "--tasks", "all", "--task-data", task_data, "--no-samples")
+    assert_user_error(result, f"{task_data / 'piqa.jsonl'}: task file not found (nor winogrande's)", "--task-data")

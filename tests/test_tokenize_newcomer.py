@@ -144,7 +144,8 @@ def test_by_default_val_and_test_each_take_a_share_of_a_small_corpus(tmp_path: P
     assert meta["tokenizer"]["trained_on"]["documents"] == len(expected["train"])  # the BPE never saw val or test
     assert summary["splits"]["train"]["tokens"] > 0.85 * summary["tokens"]
     val_tokens = summary["splits"]["val"]["tokens"]
-    assert any(f"val has {val_tokens:,} tokens, short of its 1,048,576-token target" in note
+    shown = f"val has {val_tokens:,} tokens in {len(expected['val'])} documents, short of its 1,048,576-token target"
+    assert any(shown in note
                and "evaluation scores all of it" in note for note in summary["notes"])
 
 

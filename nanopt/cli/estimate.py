@@ -316,8 +316,9 @@ def _print_parallelism(p: dict[str, Any]) -> None:
                         f"{fmt.size(p['gpu_memory_bytes'])}",
                   title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0),
-                  caption=f"train.json: its own layout, {p['run_layout']['name']}; ckpt: activation checkpointing; "
-                          "none: no rung fits (the leanest shown); free: headroom (-: over); *: --num-gpus")
+                  caption=f"train.json: its own layout, {p['run_layout']['name']}; batch: the global batch does not "
+                          "split over this many GPUs (the note below); ckpt: activation checkpointing; none: no rung "
+                          "fits (the leanest shown); free: headroom (-: over); *: --num-gpus")
     for header in ("GPUs", "layout", "per GPU", "free", "micro-batch", "slowdown", "train.json"):
         table.add_column(header, justify="left" if header in ("layout", "micro-batch", "train.json") else "right",
                          no_wrap=True)
@@ -329,12 +330,20 @@ def _print_parallelism(p: dict[str, Any]) -> None:
             name if row["fits"] else f"[red]none[/] ({name})",
             fmt.size(row["memory_bytes"]), _signed(row["headroom_bytes"]),
             f"{row['micro_batch_size']} (max {row['max_micro_batch']})", f"{row['slowdown']:.2f}x",
-            "fits" if own["fits"] else f"[red]{_signed(p['gpu_memory_bytes'] - own['memory_bytes'])}[/]",
+            _own_cell(own, p["gpu_memory_bytes"]),
             style="bold" if this_run else None)
     out.print(table)
     for row in p["rows"]:
         if row["note"]:
             out.print(f"  {escape(str(row['gpus']))} GPUs: {escape(row['note'])}", soft_wrap=True)
+
+
+def _own_cell(own: dict[str, Any], gpu_memory: int) -> str:
+    """train.json's column: fits, batch (it does not split over these GPUs: the row's note), or by how much its
+    memory is over."""
+    if own["fits"]:
+        return "fits"
+    return "[red]batch[/]" if not own["batch_splits"] else f"[red]{_signed(gpu_memory - own['memory_bytes'])}[/]"
 
 
 def _signed(free: int) -> str:

@@ -28,7 +28,8 @@ def print_ladder(ladder: dict[str, Any]) -> None:
                         "fastest first", title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 1, 0, 0), caption=escape(ladder["assumptions"]))
     for header in ("rung", "per GPU", "host per GPU", "micro-batch", "slowdown", "fits"):
-        table.add_column(header, justify="left" if header == "rung" else "right", no_wrap=True)
+        # The rung's name wraps where the width is short (a pipe's 80 columns): a cut number reads as another one.
+        table.add_column(header, justify="left" if header == "rung" else "right", no_wrap=header != "rung")
     recommended = ladder["recommended"]
     for row in ladder["rows"]:
         table.add_row(escape(row["name"]), fmt.size(row["memory_bytes"]),
@@ -55,5 +56,5 @@ def print_compared(compared: dict[str, Any]) -> None:
             table.add_row(row["gpu"], row["precision"], "[red]nothing fits[/]", "-", "-", "-")
             continue
         table.add_row(row["gpu"], row["precision"], escape(row["rung"]["name"]), fmt.duration(row["train_seconds"]),
-                      fmt.money(row["cost_usd"]), f"${row['usd_per_million_tokens']:.4f}")
+                      fmt.money(row["cost_usd"]), fmt.money(row["usd_per_million_tokens"]))
     out.print(table)

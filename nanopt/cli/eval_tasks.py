@@ -16,7 +16,7 @@ from nanopt.errors import ConfigError
 
 def task_options(tasks: str | None, limit: int | None, task_data: Path | None, harness: str | None = None) -> Any:
     """TaskOptions for --tasks (None without it); --limit or --task-data without --tasks or --harness is a
-    mistake."""
+    mistake, and so is a task whose file --task-data lacks (found now, not after the model is loaded)."""
     if tasks is None:
         if harness is None and (limit is not None or task_data is not None):
             raise ConfigError("--limit and --task-data apply to downstream tasks, and no --tasks was given",
@@ -24,8 +24,11 @@ def task_options(tasks: str | None, limit: int | None, task_data: Path | None, h
         return None
     from nanopt.evaluate.tasks.catalog import parse_tasks
     from nanopt.evaluate.tasks.downstream import TaskOptions
+    from nanopt.evaluate.tasks.sources import check_task_files
 
-    return TaskOptions(names=parse_tasks(tasks), limit=limit, task_data=task_data)
+    names = parse_tasks(tasks)
+    check_task_files(names, task_data)  # every task's file, before a checkpoint is read
+    return TaskOptions(names=names, limit=limit, task_data=task_data)
 
 
 def harness_options(harness: str | None, limit: int | None, task_data: Path | None, nproc_per_node: int) -> Any:

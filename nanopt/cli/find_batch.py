@@ -176,9 +176,7 @@ def _result_table(r: dict[str, Any]) -> Table:
                            else "-"),
         ("configured", f"{r['configured']['micro_batch_size']}{_accum(r['configured']['grad_accum'])}"),
         ("search", _search_text(r)),
-        ("memory model: largest", f"{_value(c['predicted_max_micro_batch'])}, of the usable sizes "
-                                  f"{_value(c.get('predicted_usable_micro_batch'))} (error "
-                                  f"{_error(c['max_micro_batch_error'])})"),
+        ("memory model: largest", _model_largest(r)),
         ("memory model: peak", f"{fmt.size(c['predicted_peak_bytes'])} vs measured "
                                f"{fmt.size(c['measured_peak_bytes'])} at micro-batch {_value(c.get('at_micro_batch'))} "
                                f"(error {_error(c['peak_error'])})"),
@@ -193,12 +191,27 @@ def _result_table(r: dict[str, Any]) -> Table:
     return table
 
 
+def _model_largest(r: dict[str, Any]) -> str:
+    """The memory model's largest micro-batch, one statement: as calibrated after the trials, and the estimate the
+    search started from only where that differs (made before a trial had measured what it needed: on the CPU this
+    process's memory stands in for a trial process's baseline)."""
+    c = r["calibration"]
+    largest, first = c["predicted_max_micro_batch"], r.get("predicted_micro_batch")
+    text = (f"{_value(largest)}, of the usable sizes {_value(c.get('predicted_usable_micro_batch'))} (error "
+            f"{_error(c['max_micro_batch_error'])})")
+    if first is None or first == largest or largest is None:
+        return text
+    measured = "the device" if r["device"] == "cuda" else "a process's own memory"
+    return f"{text}; {first} before the first trial measured {measured} (the search's start)"
+
+
 def _search_text(r: dict[str, Any]) -> str:
-    """Where the search started (the memory model's prediction beside what was found), and how long it took."""
-    predicted = r.get("predicted_micro_batch")
-    source = f"the memory model predicted {predicted}" if predicted is not None else "no prediction"
-    start = f"started at {r['search_start']} ({source}" + (", --start given" if r["search_start_source"] == "--start"
-                                                           else "") + ")"
+    """Where the search started and why (the memory model's numbers are in their own row), and how long it took."""
+    if r["search_start_source"] == "--start":
+        source = "--start given"
+    else:
+        source = "from the memory model's estimate" if r.get("predicted_micro_batch") is not None else "no prediction"
+    start = f"started at {r['search_start']} ({source})"
     end = "" if r["search_complete"] else f"; stopped by --max-trials {r['max_trials']} before closing in"
     where = {"process": "a process per trial", "in-process": "in this process", "ranks": "in the ranks' processes"}
     return (f"{start}, {len(r['search_order'])} trial(s) {where[r['isolation']]} in {seconds(r.get('seconds'))}"
@@ -229,7 +242,7 @@ def _accum(accum: int | None) -> str:
 
 
 def seconds(x: float | None) -> str:
-    """Seconds for a table: milliseconds below one second (fmt.duration would round them to 0.0s)."""
+    """Seconds for a table: whole milliseconds below one second, as step times are compared."""
     if x is None:
         return "-"
     return f"{1000 * x:.0f} ms" if x < 1 else fmt.duration(x)

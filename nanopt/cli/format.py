@@ -3,6 +3,7 @@ fit the width they are shown in."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Console, RenderableType
@@ -50,6 +51,8 @@ def size(n: float | None) -> str:
 def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
+    if 0 < seconds < 0.95:  # a small run's time in milliseconds: "0.0s" on every card compares nothing
+        return f"{seconds * 1000:.2g} ms" if seconds < 0.0095 else f"{seconds * 1000:.0f} ms"
     if seconds < 60:
         return f"{seconds:.1f}s"
     if seconds >= MAX_YEARS * YEAR_S:
@@ -65,12 +68,15 @@ def duration(seconds: float | None) -> str:
 
 
 def money(usd: float | None) -> str:
-    """Dollars and cents; below ten cents four decimals, so a short run on a cheap machine is not "$0.00"."""
+    """Dollars and cents; below ten cents at least four decimals and two significant digits, so a short run on a
+    cheap machine is neither "$0.00" nor "$0.0000" ($0.000042: fractions of a cent still compare)."""
     if usd is None:
         return "-"
-    if abs(usd) >= LARGE:
+    if abs(usd) >= LARGE or 0 < abs(usd) < 1e-9:
         return f"${usd:.2e}"
-    return f"${usd:.4f}" if 0 < abs(usd) < 0.1 else f"${usd:,.2f}"
+    if 0 < abs(usd) < 0.1:
+        return f"${usd:.{max(4, 1 - math.floor(math.log10(abs(usd))))}f}"
+    return f"${usd:,.2f}"
 
 
 def percent(x: float | None) -> str:

@@ -89,8 +89,8 @@ def tokenize_command(
     test_tokens: str | None = typer.Option(None, "--test-tokens", metavar="N", rich_help_panel=SPLITS,
                                            help="The same for test (what nanopt eval scores)."),
     val_fraction: float | None = typer.Option(None, "--val-fraction", metavar="FRACTION", rich_help_panel=SPLITS,
-                                              help="Share of documents held out for val (default 0.05), up to "
-                                              "--val-tokens; given alone: all of them, no limit."),
+                                              help="Share of documents held out for val, above 0 (default "
+                                              "0.05), up to --val-tokens; given alone: all of them, no limit."),
     test_fraction: float | None = typer.Option(None, "--test-fraction", metavar="FRACTION", rich_help_panel=SPLITS,
                                                help="The same for test."),
     sample: float | None = typer.Option(None, "--sample", metavar="FRACTION", rich_help_panel=SAMPLING,
@@ -117,8 +117,10 @@ def tokenize_command(
     """Tokenize a corpus into train / val / test shards of token ids, with the tokenizer and a meta.json."""
     from nanopt.data.budget import parse_token_count, resolve_max_tokens
     from nanopt.data.pipeline import build_dataset
+    from nanopt.data.settings import refuse_empty_held_out
     from nanopt.data.tokenizer import set_threads
 
+    refuse_empty_held_out(val_fraction, test_fraction)
     set_threads(threads)
     settings = dict(config=config, split=split, text_column=text_column, sample_by=sample_by, tokenizer=tokenizer,
                     vocab_size=vocab_size, eos_token=eos_token, tokenizer_sample_bytes=tokenizer_sample_mb << 20,

@@ -3,7 +3,9 @@ from a checkpoint's snapshot, validated exactly alike."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
     raw = read_json(train_path)
     source = str(train_path)
     if overrides:
+        _refuse_model_keys(overrides, paths.model_json)
         if isinstance(raw, dict):
             raw = {**_left_standing(raw, overrides), **_from_command_line(overrides)}
         source = f"{train_path} (with --set {', '.join(overrides)})"
@@ -44,13 +47,45 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
     return RunConfig(run_dir=run_dir, model=model, train=train)
 
 
+def _refuse_model_keys(overrides: dict[str, Any], model_json: Path) -> None:
+    """A model.json key given to --set: the model's shape is not overridden from the command line (a checkpoint,
+    a dataset's vocabulary and the memory estimate all follow model.json), so say where the key lives instead of
+    listing train.json's keys as if it were a typo."""
+    model_keys = {f.name for f in fields(ModelConfig)}
+    for key, value in overrides.items():
+        if key in model_keys:
+            shown = json.dumps(value)
+            raise ConfigError(f"--set {key}={shown}: {key} is a key of model.json, and --set changes train.json only",
+                              f'edit {model_json}: "{key}": {shown}')
+
+
 def _from_command_line(overrides: dict[str, Any]) -> dict[str, Any]:
     """`--set data=DIR` is typed in a shell, so a relative DIR is relative to the current directory, as every other
-    path on the command line is; it is made absolute before it joins train.json's values."""
+    path on the command line is; it is made absolute before it joins train.json's values. So are the paths of a
+    mixture given with `--set 'data={...}'`."""
     data = overrides.get("data")
-    if isinstance(data, str) and data.strip() and "\0" not in data:
+    if _plain_path(data):
         return {**overrides, "data": os.path.abspath(data)}
+    if isinstance(data, dict):
+        return {**overrides, "data": {name: _mixture_source(name, value) for name, value in data.items()}}
     return overrides
+
+
+def _mixture_source(name: str, value: Any) -> Any:
+    """One source of a mixture typed on the command line, its path absolute. A source keyed by its path
+    ({"data/web": 0.7}) keeps that key as its name and gets the path beside it, so a phase still names it as
+    typed. Anything malformed is left for the mixture's own checks to name."""
+    if isinstance(value, dict):
+        path = value.get("path")
+        return {**value, "path": os.path.abspath(path)} if _plain_path(path) else value
+    if _plain_path(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {"path": os.path.abspath(name), "weight": value}
+    return value
+
+
+def _plain_path(value: Any) -> bool:
+    """A string os.path.abspath can take: not empty or blank, no NUL byte."""
+    return isinstance(value, str) and bool(value.strip()) and "\0" not in value
 
 
 def _left_standing(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ Weights are relative shares (0.7 and 0.3, or 7 and 3: each is divided by their s
 step 0; each phase replaces them from its `from`: a fraction of the run's steps in (0, 1) (rounded to the nearest
 step), a step number (an integer >= 1), or "decay", the first step of the WSD schedule's decay. A phase's mixture
 names sources of `data`; the sources it leaves out are not read during the phase. Paths are relative to the run
-directory, as a single `data` is. Every mistake is one ConfigError naming train.json's key.
+directory, as a single `data` is (given with `--set`, to the current directory: nanopt.config.load). Every mistake
+is one ConfigError naming train.json's key.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from nanopt.config.model_config import ModelConfig
 from nanopt.config.seq_stages import SeqStage, check_alone, resolve_stages
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
-from nanopt.parsing import show_value
+from nanopt.parsing import plain_path, show_value
 
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -273,7 +273,7 @@ class RunConfig:
         """Every dataset directory `data` names: one, or a mixture's in train.json's order."""
         mixture = self.train.mixture()
         paths = [self.train.data] if mixture is None else [item.path for item in mixture.sources]
-        return [self.run_dir / path for path in paths]  # an absolute path stays as it is
+        return [plain_path(self.run_dir / path) for path in paths]  # an absolute path stays as it is
 
     @property
     def mixture(self) -> Mixture | None:

@@ -11,8 +11,9 @@ shards. Each document's split is settled in source order as its ids are written 
 its hash holds it out for val or test while that split is short of its target of tokens), so the shards do not
 depend on the batch size. A document longer than MAX_PIECE_CHARS is encoded as several pieces, cut where the ids
 do not change (nanopt.data.tokenizer.piece_ends), so the tokenizer's memory does not grow with the longest document
-either. Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size, and the
-split rule keeps the hashes of held-out documents only (bounded by the held-out targets).
+either. Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size but for 8
+bytes per document of 65536 tokens or more (nanopt.data.stats), and the split rule keeps the hashes of held-out
+documents only (bounded by the held-out targets).
 
 Everything is written into a hidden staging directory beside the output and renamed into place at the end, with
 meta.json written last, so an interrupted run never leaves a directory that looks like a complete dataset.

@@ -162,6 +162,19 @@ def _held_out(fraction: float | None, tokens: int | None, default_tokens: int) -
     return (HELD_OUT_FRACTION if fraction is None else fraction), (default_tokens if tokens is None else tokens)
 
 
+# What each held-out split is for: why a command line that leaves it empty is refused.
+HELD_OUT_USE = {"val": "nanopt train evaluates on val", "test": "nanopt eval scores test"}
+
+
+def refuse_empty_held_out(val_fraction: float | None, test_fraction: float | None) -> None:
+    """A fraction of 0 typed on the command line: that split would be empty, and train (val) or eval (test) would
+    refuse the dataset only later. The library still takes 0, for a dataset that is all train (tests make one)."""
+    for name, value in (("val", val_fraction), ("test", test_fraction)):
+        if value == 0:
+            raise ConfigError(f"--{name}-fraction 0 holds out no documents: {name} would be empty, and "
+                              f"{HELD_OUT_USE[name]}", f"give a share above 0, e.g. {HELD_OUT_FRACTION} (the default)")
+
+
 def _check_leaves_training(val_fraction: float, test_fraction: float) -> None:
     if val_fraction + test_fraction >= 1.0:
         raise ConfigError(f"--val-fraction {val_fraction} plus --test-fraction {test_fraction} leave nothing for "

@@ -1,51 +1,58 @@
-"""Per-split statistics of a tokenize run, in memory that does not grow with the corpus."""
+"""Per-split statistics of a tokenize run, in memory that grows only with the count of very long documents."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import numpy as np
 
-EXACT_LENGTHS = 1 << 16  # documents shorter than this many tokens are counted exactly
+EXACT_LENGTHS = 1 << 16  # documents shorter than this many tokens are counted in a fixed-size table
 
 
 class LengthHistogram:
-    """Document lengths in tokens: exact counts below 2**16 tokens, power-of-two buckets above (rare documents).
+    """Document lengths in tokens, exactly: counts per length below 2**16 tokens, and each longer document's own
+    length (a bucketed long document made the median of a split of one 145,911-token man page read 196,608).
 
-    The median is exact unless the median document itself is 65536 tokens or longer; then it is the middle of its
-    power-of-two bucket. Memory is a fixed 0.5 MiB however many documents there are.
+    Memory: a fixed 0.5 MiB, plus 8 bytes per document of 65536 tokens or more, which its shard holds in at least
+    128 KiB: at most 1/16384 of what is written.
     """
 
     def __init__(self) -> None:
         self.exact = np.zeros(EXACT_LENGTHS, dtype=np.int64)
-        self.large = np.zeros(64, dtype=np.int64)  # bucket k holds lengths in [2**k, 2**(k+1))
+        self.large = array("q")
 
     def add(self, lengths: np.ndarray) -> None:
         lengths = np.asarray(lengths, dtype=np.int64)
         small = lengths[lengths < EXACT_LENGTHS]
         self.exact += np.bincount(small, minlength=EXACT_LENGTHS)
-        big = lengths[lengths >= EXACT_LENGTHS]
-        if big.size:
-            np.add.at(self.large, np.floor(np.log2(big)).astype(np.int64), 1)
+        self.large.extend(lengths[lengths >= EXACT_LENGTHS].tolist())
 
     @property
     def count(self) -> int:
-        return int(self.exact.sum() + self.large.sum())
+        return int(self.exact.sum()) + len(self.large)
+
+    @property
+    def longest(self) -> int:
+        """The longest document's length (0 without documents)."""
+        if self.large:
+            return max(self.large)
+        present = np.flatnonzero(self.exact)
+        return int(present[-1]) if present.size else 0
 
     def median(self) -> float:
         n = self.count
         if n == 0:
             return 0.0
-        return (self._value_at((n - 1) // 2) + self._value_at(n // 2)) / 2
+        large = sorted(self.large)
+        return (self._value_at((n - 1) // 2, large) + self._value_at(n // 2, large)) / 2
 
-    def _value_at(self, rank: int) -> float:
-        """The value of the rank-th smallest length (0-based)."""
+    def _value_at(self, rank: int, large: list[int]) -> float:
+        """The value of the rank-th smallest length (0-based); `large`: the long documents' lengths, sorted."""
         exact_cumulative = np.cumsum(self.exact)
         if rank < exact_cumulative[-1]:
             return float(np.searchsorted(exact_cumulative, rank, side="right"))
-        large_cumulative = exact_cumulative[-1] + np.cumsum(self.large)
-        bucket = int(np.searchsorted(large_cumulative, rank, side="right"))
-        return 1.5 * 2.0**bucket
+        return float(large[rank - int(exact_cumulative[-1])])
 
 
 class SplitStats:
@@ -82,4 +89,5 @@ class SplitStats:
         return {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes,
                 "bytes_per_token": round(self.bytes / self.tokens, 6) if self.tokens else 0.0,
                 "mean_document_tokens": round(self.document_tokens / self.documents, 3) if self.documents else 0.0,
-                "median_document_tokens": self.lengths.median(), "max_token_id": self.max_token_id}
+                "median_document_tokens": self.lengths.median(), "longest_document_tokens": self.lengths.longest,
+                "max_token_id": self.max_token_id}

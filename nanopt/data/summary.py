@@ -25,7 +25,7 @@ def summarize(out: Path, meta: dict[str, Any], seconds: float, encode_seconds: f
     warnings = [f"split '{name}' is empty: raise --{name}-fraction or give more documents (text files: "
                 f"--sample-by paragraph)" for name in HELD_OUT if not splits[name]["documents"]
                 and settings[f"{name}_fraction"] > 0]
-    warnings += _budget_warnings(budget) + _eval_window_warnings(splits, evaluation)
+    warnings += _one_document_warnings(splits) + _budget_warnings(budget) + _eval_window_warnings(splits, evaluation)
     warnings += [f"leftover {p} from an interrupted run: delete it" for p in leftover_staging_dirs(out)]
     undecodable = meta["source"].get("undecodable_bytes_by_file", {})
     if undecodable:
@@ -39,7 +39,27 @@ def summarize(out: Path, meta: dict[str, Any], seconds: float, encode_seconds: f
             "tokens_per_second": round(tokens / rate_seconds, 1),
             "documents_per_second": round(documents / rate_seconds, 1), **extra,
             "undecodable_bytes": sum(undecodable.values()), "budget": budget, "warnings": warnings,
-            "notes": _held_out_notes(splits, settings)}
+            "notes": _held_out_notes(splits, settings, extra)}
+
+
+def _one_document_warnings(splits: dict[str, dict[str, Any]]) -> list[str]:
+    """A held-out split that is one document, or mostly one: every loss measured on it measures that text (a man
+    page of 145,911 tokens was a whole val split), not the corpus."""
+    warnings = []
+    for name in HELD_OUT:
+        info = splits[name]
+        documents, tokens, longest = info["documents"], info["tokens"], info["longest_document_tokens"]
+        if documents == 1:
+            said = f"{name} is one document of {longest:,} tokens: every evaluation on {name} measures that one text"
+        elif documents and 2 * (longest + 1) > tokens:  # the document and its end-of-text token
+            share = (longest + 1) / tokens
+            said = (f"{name} is mostly one document ({longest:,} of its {tokens:,} tokens, {share:.0%}, in "
+                    f"{documents:,} documents): evaluation on {name} mostly measures that one text")
+        else:
+            continue
+        warnings.append(f"{said}; hold out more documents: raise --{name}-fraction (e.g. 0.2) and --{name}-tokens, "
+                        "or cut long documents (text files: --sample-by paragraph)")
+    return warnings
 
 
 def _budget(settings: dict[str, Any], train_tokens: int) -> dict[str, Any] | None:
@@ -73,14 +93,25 @@ def _eval_window_warnings(splits: dict[str, dict[str, Any]], evaluation: RunEval
             if 0 < (tokens := splits[name]["tokens"]) < evaluation.window_tokens]
 
 
-def _held_out_notes(splits: dict[str, dict[str, Any]], settings: dict[str, Any]) -> list[str]:
-    """A held-out split short of its target: the corpus is small, and evaluation scores all of that split."""
+def _held_out_notes(splits: dict[str, dict[str, Any]], settings: dict[str, Any],
+                    extra: dict[str, Any]) -> list[str]:
+    """A held-out split short of its target: the source ran out, and evaluation scores all of that split. What it
+    took is said as it is: the hash's share of the documents read, which past train's --max-tokens (reading goes
+    on to fill val and test) is a larger share of the dataset's documents."""
     notes = []
+    read = extra["documents_read"] - extra["empty_documents_skipped"]
+    total = sum(info["documents"] for info in splits.values())
     for name in HELD_OUT:
-        tokens, target = splits[name]["tokens"], settings[f"{name}_tokens"]
+        info, target = splits[name], settings[f"{name}_tokens"]
+        tokens, documents = info["tokens"], info["documents"]
         if not tokens or target is None or tokens >= target:
             continue
-        notes.append(f"{name} has {tokens:,} tokens, short of its {target:,}-token target: the corpus is small, and "
-                     f"{name} takes at most {settings[f'{name}_fraction']:.1%} of its documents (--{name}-fraction); "
-                     "evaluation scores all of it")
+        held = f"{documents:,} document" + ("s" if documents > 1 else "")
+        note = (f"{name} has {tokens:,} tokens in {held}, short of its {target:,}-token target: the source ran "
+                f"out. The hash held out {documents / read:.1%} of the {read:,} documents read for {name} "
+                f"(--{name}-fraction {settings[f'{name}_fraction']:g})")
+        if extra["stopped_at_budget"]:
+            note += (f"; train stopped at --max-tokens, so {name} is {documents / total:.0%} of this dataset's "
+                     f"{total:,} documents")
+        notes.append(note + "; evaluation scores all of it")
     return notes

@@ -24,7 +24,7 @@ from nanopt.data.output import is_dataset
 from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
-from nanopt.parsing import path_kind
+from nanopt.parsing import path_kind, plain_path
 from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint, check_fits, latest, load_weights, resolve
 
@@ -106,7 +106,7 @@ def refuse_fallback(trained: TrainedModel) -> None:
 
 def _open_dataset(run: RunConfig, ckpt: Checkpoint, data: Path | None, for_loss: bool) -> TokenDataset | None:
     if data is not None:
-        return TokenDataset.open(_dataset_directory(Path(data), ckpt))
+        return TokenDataset.open(_dataset_directory(plain_path(data), ckpt))
     if not for_loss and ckpt.tokenizer_path is not None:
         return None  # sampling and export use the checkpoint's own tokenizer
     if path_kind(run.data_dir, DataError, DATASET_HINT) == "missing":

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 from nanopt.errors import DataError
 from nanopt.evaluate.tasks.catalog import Task
 from nanopt.files import file_kind
-from nanopt.parsing import open_regular, parse_json_text
+from nanopt.parsing import open_regular, parse_json_text, path_kind
 from nanopt.shown import printable
 
 MAX_TASK_FILE_BYTES = 1 << 30  # the largest task here (HellaSwag validation) is about 12 MB as jsonl
@@ -47,6 +47,26 @@ def load_records(task: Task, task_data: Path | None, limit: int | None) -> tuple
         return _from_saved(task, saved, limit), str(saved)
     path = Path(task_data) / f"{task.name}.jsonl"
     return read_jsonl(path, limit), str(path)
+
+
+def check_task_files(names: Iterable[str], task_data: Path | None) -> None:
+    """DataError, one line, unless every task has its data in --task-data (TASK/ or a readable TASK.jsonl): checked
+    before a checkpoint is read, since the tasks are scored one after another once the model is loaded (a missing
+    last file would otherwise be found only after the others were scored). The hub is asked only when scoring."""
+    if task_data is None:
+        return
+    missing = []
+    for name in names:
+        path = Path(task_data) / f"{name}.jsonl"
+        if path_kind(Path(task_data) / name, DataError, TASK_DATA_HINT) == "dir":
+            continue  # a save_to_disk folder: its files are checked as it is loaded
+        if path_kind(path, DataError, TASK_DATA_HINT) == "missing":
+            missing.append(path)
+        else:  # a pipe, a directory, no permission: one line, as the reader would say it
+            open_regular(path, DataError, TASK_DATA_HINT, "task file").close()
+    if missing:
+        also = ", ".join(path.stem + "'s" for path in missing[1:])
+        raise DataError(f"{missing[0]}: task file not found" + (f" (nor {also})" if also else ""), TASK_DATA_HINT)
 
 
 def read_jsonl(path: Path, limit: int | None) -> list[Any]:

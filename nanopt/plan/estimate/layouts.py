@@ -43,6 +43,7 @@ def parallelism(run: RunConfig | None, target: Target, precision: str, run_gpus:
 
 def _layout_row(run: RunConfig, target: Target, precision: str, gpus: int, mfu: float) -> dict[str, Any]:
     micro_batch, note = _row_micro_batch(run, gpus)
+    splits = _batch_splits(run, gpus)
     rungs = ladder(run, target, precision, gpus, mfu)
     chosen = rungs["recommended"] or leanest(rungs)
     own = run_memory(run, target, precision, gpus)  # train.json's layout, as the verdict judges it
@@ -50,8 +51,9 @@ def _layout_row(run: RunConfig, target: Target, precision: str, gpus: int, mfu: 
            "layout": {key: chosen[key] for key in LAYOUT_KEYS}, "fits": chosen["fits"],
            "memory_bytes": chosen["memory_bytes"], "headroom_bytes": target.memory_bytes - chosen["memory_bytes"],
            "max_micro_batch": chosen["max_micro_batch"], "slowdown": chosen["slowdown"], "note": note,
-           "run_layout": {"micro_batch_size": micro_batch, "fits": fits_in(own, micro_batch, target),
-                          "memory_bytes": own.total(micro_batch)}}
+           # train.json runs here only if its global batch splits over these GPUs, whatever the memory says
+           "run_layout": {"micro_batch_size": micro_batch, "fits": splits and fits_in(own, micro_batch, target),
+                          "batch_splits": splits, "memory_bytes": own.total(micro_batch)}}
     row["text"] = _layout_text(row, target)
     return row
 
@@ -65,13 +67,23 @@ def _layout_text(row: dict[str, Any], target: Target) -> str:
             f"{gib(needed - memory)} over {gib(memory)}")
 
 
+def _smallest_batch_key(run: RunConfig) -> str:
+    return "global_batch_tokens" if run.train.batch_ramp is None else "batch_warmup_start_tokens"
+
+
+def _batch_splits(run: RunConfig, gpus: int) -> bool:
+    """Whether the global batch (its smallest, with a batch warmup) is whole sequences on each of `gpus`."""
+    sequences, remainder = divmod(getattr(run.train, _smallest_batch_key(run)), run.seq_len * gpus)
+    return remainder == 0 and sequences > 0
+
+
 def _row_micro_batch(run: RunConfig, gpus: int) -> tuple[int, str | None]:
     """train.json's micro-batch, or on this many GPUs the largest below it that keeps gradient accumulation whole,
     with a note when it changed or when the global batch does not split over this many GPUs at all."""
     wanted = run.train.micro_batch_size
-    key = "global_batch_tokens" if run.train.batch_ramp is None else "batch_warmup_start_tokens"  # the smallest
-    sequences, remainder = divmod(getattr(run.train, key), run.seq_len * gpus)
-    if remainder or sequences == 0:
+    key = _smallest_batch_key(run)
+    sequences = getattr(run.train, key) // (run.seq_len * gpus)
+    if not _batch_splits(run, gpus):
         return wanted, (f"{key} {getattr(run.train, key)} does not split into whole sequences "
                         f"of {run.seq_len} over {gpus} GPUs: choose a multiple of {run.seq_len * gpus}")
     size = dividing_micro_batch(run, gpus, wanted)
@@ -84,8 +96,8 @@ def _row_micro_batch(run: RunConfig, gpus: int) -> tuple[int, str | None]:
 def _layout_warning(row: dict[str, Any], own: Rung, target: Target) -> str | None:
     """One line when train.json's layout does not fit at the run's GPU count while a rung of the ladder does: the
     ladder's recommendation, as the ladder's table gives it."""
-    if row["run_layout"]["fits"] or not row["fits"]:
-        return None
+    if row["run_layout"]["fits"] or not row["fits"] or not row["run_layout"]["batch_splits"]:
+        return None  # a batch that does not split is the note's (and the verdict's) to say, not memory's
     gpus = f"{row['gpus']} GPU{'s' if row['gpus'] != 1 else ''}"
     return (f"train.json's {own.name} does not fit on {gpus} of {gib(target.memory_bytes)} at "
             f"micro-batch {row['run_layout']['micro_batch_size']} (it needs "
