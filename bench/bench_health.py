@@ -85,7 +85,7 @@ def measure_overhead(run: RunConfig, rt: Runtime, blocks: int, warmup: int) -> H
         if on:
             tick = time.perf_counter()
             record = {"step": session.state.step, "loss": loss, "grad_norm": norm, "lr": 1e-3,
-                      **session.health_signals, "clipped_fraction": monitor.clipped_fraction()}
+                      **session.health_signals, "health_blocks": monitor.take_pending()}
             monitor.observe(record)
             work += time.perf_counter() - tick
         sync(rt.device)

@@ -32,12 +32,14 @@ def signal_rows(signals: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     trend = signals.get("loss_trend")
     ratios = {k: v for k, v in (signals.get("update_ratio") or {}).items() if v is not None}
-    clipped = signals.get("clipped_fraction")
+    clipped = signals.get("clipped_share")
+    window = f"last {signals['window_steps']:,} steps"
     return [
         ("at step", f"{signals['step']:,}"),
-        (f"loss trend (last {signals['window_steps']:,} steps)", "-" if trend is None else f"{trend:+.2%}"),
+        (f"loss trend ({window})", "-" if trend is None else f"{trend:+.2%}"),
         ("gradient norm (before clipping)", _number(signals.get("grad_norm"), ".3f")),
-        ("steps clipped (last log interval)", "-" if clipped is None else f"{clipped:.0%}"),
+        (f"gradient norm median ({window})", _number(signals.get("grad_norm_level"), ".3f")),
+        (f"steps clipped ({window})", "-" if clipped is None else f"{clipped:.0%}"),
         ("update / parameter norm per step", ", ".join(f"{k} {v:.1e}" for k, v in ratios.items()) or "-"),
     ]
 

@@ -1,4 +1,5 @@
-"""The training loop's side of run health: measure at log steps, judge, record and announce each verdict once.
+"""The training loop's side of run health: feed every step's loss and gradient norm, measure at log steps, judge,
+record and announce each verdict once.
 
 The probe (nanopt.train.health_probe) runs on every rank, in the step, at log steps; the monitor
 (nanopt.train.health) on every rank too (pure arithmetic on numbers every rank has), but only rank 0 writes the
@@ -10,37 +11,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanopt.train.health import HealthMonitor, HealthSettings, Verdict
+from nanopt.train.health import HealthMonitor, HealthSettings, Verdict, replay
 from nanopt.train.health_probe import HealthProbe
-from nanopt.train.metrics import read_metrics
+from nanopt.train.metrics import iter_metrics
 from nanopt.train.session import Session
 
 
 def start_health(s: Session) -> None:
-    """Give the session its probe and monitor (train.json `health`), after the resume: a verdict the run already
-    announced (its `health` event in metrics.jsonl, on rank 0) is not announced again."""
+    """Give the session its probe and monitor (train.json `health`), after the resume. On rank 0 the monitor
+    replays metrics.jsonl as the resume left it (up to the checkpoint), in bounded memory: its windows go on where
+    the run stopped, as if never interrupted, and a verdict the run already announced (its `health` event) is not
+    announced again."""
     if not s.run.train.health:
         return
     s.health_probe = HealthProbe(s.prepared.raw, s.optimizer, s.rt)
-    s.health = HealthMonitor(HealthSettings.from_run(s.run, token_rows=s.dataset.id_limit))  # as the model
-    if s.rt.is_main:
-        s.health.recall(read_metrics(s.run.run_dir))
+    settings = HealthSettings.from_run(s.run, token_rows=s.dataset.id_limit)  # as the model
+    s.health = replay(iter_metrics(s.run.run_dir), settings) if s.rt.is_main else HealthMonitor(settings)
+    s.health.forget_unrecorded()
 
 
 def after_step(s: Session, loss: float, grad_norm: float) -> None:
-    """Every step (not rolled back): count clipping; at step 1, the initial loss check."""
+    """Every step (not rolled back): its loss and norm into the open block; at step 1, the initial loss check; at a
+    block's end, the judgements."""
     if s.health is not None:
         _announce(s, s.health.observe_step(s.state.step, loss, grad_norm))
 
 
 def on_log(s: Session, record: dict[str, Any]) -> None:
-    """A log step: add the step's health fields to its train record, and announce what they newly show."""
+    """A log step: add the step's health fields to its train record (the probe's, the blocks ended since the last
+    record, the loss trend)."""
     if s.health is None:
         return
     record.update(s.health_signals)
     s.health_signals = {}
-    record["clipped_fraction"] = s.health.clipped_fraction()
-    _announce(s, s.health.observe(record))
+    record["health_blocks"] = s.health.take_pending()
+    s.health.observe(record)
 
 
 def summary(s: Session) -> dict[str, Any] | None:
@@ -50,6 +55,7 @@ def summary(s: Session) -> dict[str, Any] | None:
 
 def _announce(s: Session, verdicts: list[Verdict]) -> None:
     for verdict in verdicts:
-        fields = {"verdict": verdict.name, "message": verdict.message, "advice": verdict.advice}
+        fields = {"verdict": verdict.name, "message": verdict.message, "advice": verdict.advice,
+                  "evidence": verdict.evidence}
         s.metrics.write("event", step=verdict.step, event="health", **fields)
         s.observer.health({"step": verdict.step, **fields})

@@ -14,14 +14,16 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanopt.errors import NanoptError
-from nanopt.files import append_whole, replace_file, replacing
+from nanopt.files import append_whole, replacing
+from nanopt.parsing import INT64_MAX
 from nanopt.rundir import RunDir
 from nanopt.train.eval_history import loss_by_tokens, read_history
-from nanopt.train.records import metrics_lines, parse_record, read_records
+from nanopt.train.records import iter_records, metrics_lines, parse_record, read_records
 from nanopt.train.task_curves import draw_task_accuracy
 
 if TYPE_CHECKING:
@@ -41,16 +43,17 @@ class MetricsLog:
         """On resume, drop records of steps after the checkpoint: they will be run again. Phase and recovery records
         stay: that time was spent (and paid for), and the recovery made, whether or not its steps are run again.
         Writes nothing when there is nothing to drop, and leaves the file as it was if the rewrite fails (a full
-        disk)."""
+        disk). Two passes, a line at a time: memory bounded by a line, whatever the file's length."""
         if not (self.enabled and os.path.lexists(self.path)):
             return
-        lines = [line for line in metrics_lines(self.path) if line is None or line.strip()]
-        kept = [line for line in lines if _kept(parse_record(line) if line is not None else None, step)]
         if self.sinks is not None:
             self.sinks.restart_after(step)
-        if len(kept) == len(lines):
+        if all(_kept_line(line, step) for line in metrics_lines(self.path)):
             return
-        replace_file(self.path, "".join(line + "\n" for line in kept))
+        with replacing(self.path) as f:
+            for line in metrics_lines(self.path):
+                if line is not None and line.strip() and _kept_line(line, step):
+                    f.write((line + "\n").encode("utf-8"))
 
     def write(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
@@ -66,6 +69,14 @@ class MetricsLog:
             self.sinks.close()
 
 
+def _kept_line(line: str | None, step: int) -> bool:
+    """Whether a resume to `step` keeps a line of metrics.jsonl (a blank line is neither kept nor dropped: the
+    rewrite leaves it out)."""
+    if line is not None and not line.strip():
+        return True
+    return _kept(parse_record(line) if line is not None else None, step)
+
+
 def _kept(record: dict[str, Any] | None, step: int) -> bool:
     """Whether a resume to `step` keeps a record: one of a step up to it (a record without a step: kept), and
     those a resume or a rollback never drops: time spent (phases) and recoveries made, which happened whether or
@@ -76,8 +87,14 @@ def _kept(record: dict[str, Any] | None, step: int) -> bool:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of runs/NAME/metrics.jsonl that nanopt can use (nanopt.train.records), in the order written."""
+    """The records of runs/NAME/metrics.jsonl that nanopt can use (nanopt.train.records), in the order written, all
+    in memory (several times the file's size: iter_metrics reads it in bounded memory)."""
     return read_records(RunDir(run_dir).metrics)
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The records of read_metrics, one at a time: memory bounded by one line (nanopt.train.records)."""
+    return iter_records(RunDir(run_dir).metrics)
 
 
 class SpikeMonitor:
@@ -100,6 +117,48 @@ class SpikeMonitor:
         if math.isfinite(loss):
             self.history.append(loss)
         return spike
+
+
+CHART_BUCKETS = 2000  # per curve: a chart 900 pixels wide shows no more, and each run keeps its lowest and highest
+
+
+class Thinned:
+    """A curve's (x, y) points thinned as they are read, in memory bounded by `buckets`: runs of consecutive
+    points, each kept as its lowest and its highest point (so a spike survives the thinning, and the extremes a
+    chart shows are the curve's own). When the buckets fill, neighbours merge and runs double in length: a
+    constant time per point. Non-finite values are left out (a chart cannot place them)."""
+
+    def __init__(self, buckets: int = CHART_BUCKETS) -> None:
+        self.buckets = buckets
+        self.run_length = 1
+        self.count = 0
+        self.kept: list[list[Any]] = []  # per run: [lowest (index, x, y), highest (index, x, y), points]
+
+    def add(self, x: float, y: Any) -> None:
+        if not (isinstance(y, float) or type(y) is int and abs(y) <= INT64_MAX) or not math.isfinite(y):
+            return  # an int past a float (a stranger's file) would make math.isfinite raise
+        point, self.count = (self.count, x, y), self.count + 1
+        last = self.kept[-1] if self.kept else None
+        if last is None or last[2] >= self.run_length:
+            self.kept.append([point, point, 1])
+            if len(self.kept) > self.buckets:
+                self._merge()
+            return
+        last[0] = point if y < last[0][2] else last[0]
+        last[1] = point if y > last[1][2] else last[1]
+        last[2] += 1
+
+    def _merge(self) -> None:
+        pairs = [(self.kept[i], self.kept[i + 1]) for i in range(0, len(self.kept) - 1, 2)]
+        merged = [[min(a[0], b[0], key=lambda p: p[2]), max(a[1], b[1], key=lambda p: p[2]), a[2] + b[2]]
+                  for a, b in pairs]
+        self.kept = merged + ([self.kept[-1]] if len(self.kept) % 2 else [])
+        self.run_length *= 2
+
+    def points(self) -> tuple[list[float], list[float]]:
+        """The kept points in the order they came: each run's lowest and highest."""
+        chosen = sorted({p for low, high, _ in self.kept for p in (low, high)})
+        return [x for _, x, _ in chosen], [y for _, _, y in chosen]
 
 
 # Events marked on the loss chart, each with its own line style: (label, color, line style).
