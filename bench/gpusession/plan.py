@@ -104,14 +104,13 @@ STEP_NAMES = tuple(s.name for s in STEPS)
 PLANS = {
     "window": ("preflight", "data", "throughput-gpt2", "memory", "find-batch", "bf16-vs-fp32", "profile",
                "gpu-tests"),
-    # The fourth window's (bench/RESULTS.md, "Queue"), most important first: the 1B's profile with each kernel
-    # counted once (the third's listed foreach kernels several times over), the 1B against its baseline with RoPE
-    # read from tables, the 1B with fp8 "all" (torchao carried to the machine), then the GPU tests (the third's
-    # took 273 s; they get what the steps before leave). GPT-2's figures stand from the third window.
-    "next": ("preflight", "data", "profile-llama", "throughput-llama", "throughput-llama-fp8", "gpu-tests"),
-    # Stacked q/k/v (and gate/up) against separate GEMMs on GPT-2 small and the 1B, which decides the model's
-    # default (Transformer.stack_projections); "next" is full, so a call of its own (`--plan stacked`).
-    "stacked": ("preflight", "stacked-gpt2", "stacked-llama", "gpu-tests"),
+    # The fourth window's (bench/RESULTS.md, "Queue"), what decides the most first: the 1B against its baseline (RoPE
+    # read from tables), the 1B with fp8 "all" (torchao carried to the machine), stacked q/k/v against separate GEMMs
+    # on GPT-2 small (which decides Transformer.stack_projections' default), then the GPU tests, which take what the
+    # steps before leave. The 1B's profile waits for a call of its own: its own budget does not fit beside these.
+    "next": ("preflight", "data", "throughput-llama", "throughput-llama-fp8", "stacked-gpt2", "gpu-tests"),
+    # The rest of the stacked question (the 1B, gate/up stacked too) and the 1B's profile, for a second call.
+    "stacked": ("preflight", "stacked-llama", "profile-llama", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

@@ -1,5 +1,5 @@
 """The estimate's report: the model, the token budget, time and cost, memory, the batch, the verdict and the
-parallelism table, as one JSON-ready dict (keys documented in README.md)."""
+parallelism table, as one JSON-ready dict (keys documented in docs/cost-and-memory.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from nanopt.train.shape_schedule import longest_stage_run, run_flops_per_token
 
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
-    """The whole report as a JSON-ready dict (the keys are documented in README.md)."""
+    """The whole report as a JSON-ready dict (the keys are documented in docs/cost-and-memory.md)."""
     opts = opts.with_whole_counts()
     if run is None and opts.params is None and opts.flops is None:
         raise ConfigError("estimate needs a run directory or --params (or --flops)",
