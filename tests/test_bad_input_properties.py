@@ -282,6 +282,7 @@ def command_calls(world: dict[str, Path], run: Path) -> dict[str, list[object]]:
         "preflight": ["preflight", run],
         "train": ["train", run, "--no-live"],
         "slurm": ["slurm", run, "--nodes", "1", "--gpus-per-node", "2", "--cpu"],
+        "health": ["health", run],  # no numeric option
         "eval": ["eval", run],
         "export": ["export", run, "--out", run.parent / "exported"],
         "import": ["import", world["root"] / "hf-model", "--run", run.parent / "imported"],  # no numeric option

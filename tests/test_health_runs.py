@@ -198,6 +198,9 @@ def test_eval_health_replays_the_metrics_and_draws_the_chart(tmp_path: Path, tin
     assert Path(report["chart"]) == run / "health.png" and (run / "health.png").read_bytes()[:4] == b"\x89PNG"
     table = cli_in_process("eval", run, "--health")
     assert "stagnating_updates" in table.stdout and "update / parameter" in table.stdout
+    own = cli_in_process("health", run, "--json")  # the command of its own gives the same report
+    assert own.returncode == 0 and json.loads(own.stdout) == report, own.stderr
+    assert "stagnating_updates" in cli_in_process("health", run).stdout
     evaluated = cli_in_process("eval", run, "--no-samples", "--json")  # eval.json carries the same section
     assert evaluated.returncode == 0, evaluated.stderr
     saved = json.loads((run / "eval.json").read_text())["health"]
@@ -241,7 +244,8 @@ def test_eval_health_of_a_strangers_odd_values_is_no_traceback(tmp_path: Path, t
 def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
     run = make_run(tmp_path, tiny_dataset)
     assert_user_error(run_cli("eval", run, "--health"), "no metrics.jsonl")
-    assert_user_error(run_cli("eval", tmp_path / "missing", "--health"), "no such run directory")
+    assert_user_error(run_cli("eval", tmp_path / "missing", "--health"), "run directory not found")
+    assert_user_error(run_cli("health", run), "no metrics.jsonl")
 
 
 def test_muon_reports_its_matrices_ratio(tmp_path: Path, tiny_dataset: Path, cli_in_process):

@@ -2,8 +2,8 @@
 
 import importlib
 
-LIFECYCLE = ("plan", "estimate", "tokenize", "find_batch", "profile", "preflight", "train", "slurm", "eval", "export",
-             "importer")
+LIFECYCLE = ("plan", "estimate", "tokenize", "find_batch", "profile", "preflight", "train", "slurm", "health", "eval",
+             "export", "importer")
 
 for _module in LIFECYCLE:
     importlib.import_module(f"nanopt.cli.{_module}")

@@ -136,7 +136,7 @@ def eval_command(
     from nanopt.evaluate import compare
 
     if health:
-        from nanopt.cli.health import show_health
+        from nanopt.cli.health_display import show_health
 
         show_health(run_dirs, as_json)
         return

@@ -1,72 +1,33 @@
-"""Rendering run health (nanopt.train.health): the table at the end of `nanopt train` and `nanopt eval --health`."""
+"""`nanopt health`: a run's health from its metrics.jsonl, without reading a checkpoint (the same report as
+`nanopt eval RUN --health`, which stays for those who know it there)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from rich.markup import escape
-from rich.table import Table
+import typer
 
-from nanopt.rundir import RunDir
+from nanopt.cli.app import app
+from nanopt.cli.health_display import show_health
+from nanopt.cli.helptext import epilog
 
+ABOUT = """
+Replays the run's metrics.jsonl (finished, or still training: a torn last line is skipped) through the monitor
+training uses and prints its verdicts, each with the numbers it saw, and the latest signals; draws RUN/health.png
+(loss, gradient norms, update ratios, the share of steps clipped, against steps). No checkpoint, no GPU: it can run
+beside training. docs/health.md says what each verdict means and its thresholds.
+"""
 
-def health_table(health: dict[str, Any], title: str) -> Table:
-    """The verdicts (or that there are none), then the latest signals."""
-    table = Table(title=escape(title), show_header=False, title_justify="left")
-    table.add_column("", style="bold")
-    table.add_column("")
-    for v in health["verdicts"] or [{"name": "verdicts", "step": None, "message": "none", "advice": ""}]:
-        where = f"step {v['step']}: " if v["step"] is not None else ""
-        advice = f"; {v['advice']}" if v["advice"] else ""
-        table.add_row(escape(v["name"]), escape(f"{where}{v['message']}{advice}"),
-                      style="yellow" if v["step"] is not None else None)
-    for label, value in signal_rows(health["signals"]):
-        table.add_row(label, escape(value))
-    return table
+EXAMPLES = """
+nanopt health runs/demo                 # verdicts and signals; runs/demo/health.png
+nanopt health runs/demo runs/gpt2-small --json   # several runs, as JSON
+"""
 
 
-def signal_rows(signals: dict[str, Any]) -> list[tuple[str, str]]:
-    """The latest signals as (label, text) rows; nothing before the first logged step."""
-    if not signals:
-        return []
-    trend = signals.get("loss_trend")
-    ratios = {k: v for k, v in (signals.get("update_ratio") or {}).items() if v is not None}
-    clipped = signals.get("clipped_share")
-    window = f"last {signals['window_steps']:,} steps"
-    return [
-        ("at step", f"{signals['step']:,}"),
-        (f"loss trend ({window})", "-" if trend is None else f"{trend:+.2%}"),
-        ("gradient norm (before clipping)", _number(signals.get("grad_norm"), ".3f")),
-        (f"gradient norm median ({window})", _number(signals.get("grad_norm_level"), ".3f")),
-        (f"steps clipped ({window})", "-" if clipped is None else f"{clipped:.0%}"),
-        ("update / parameter norm per step", ", ".join(f"{k} {v:.1e}" for k, v in ratios.items()) or "-"),
-    ]
-
-
-def _number(value: Any, spec: str) -> str:
-    return "-" if not isinstance(value, (int, float)) else format(value, spec)
-
-
-def show_health(run_dirs: list[Path], as_json: bool) -> None:
-    """`nanopt eval RUN --health`: each run's verdicts and latest signals from its metrics.jsonl, and its chart."""
-    from nanopt.cli.app import console, print_json
-    from nanopt.errors import ConfigError
-    from nanopt.evaluate.health import health_report
-
-    reports = []
-    for run_dir in run_dirs:
-        if not Path(run_dir).is_dir():
-            raise ConfigError(f"{run_dir}: no such run directory", "give a run directory, e.g. runs/demo")
-        if not RunDir(run_dir).metrics.is_file():
-            raise ConfigError(f"{run_dir}: no metrics.jsonl: the run has not logged a step yet",
-                              "start it with `nanopt train RUN`, or name a run directory that has trained")
-        reports.append(health_report(run_dir))
-    if as_json:
-        print_json(reports[0] if len(reports) == 1 else {"runs": reports})
-        return
-    for report in reports:
-        console().print(health_table(report, f"nanopt eval --health: {report['run']}"))
-        if report["chart"]:
-            console().print(escape(f"chart: {report['chart']} (loss, gradient norms, update ratios and the share "
-                                   "of steps clipped, against steps)"))
+@app.command("health", epilog=epilog(ABOUT, EXAMPLES))
+def health_command(
+    run_dirs: list[Path] = typer.Argument(..., metavar="RUN", help="One run directory, or several."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the report as JSON."),
+) -> None:
+    """A run's health: verdicts, the numbers behind them and the latest signals, from its metrics.jsonl."""
+    show_health(run_dirs, as_json)

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
-from nanopt.cli.health import health_table
+from nanopt.cli.health_display import health_table
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked, slurm_launcher, slurm_named
 from nanopt.cli.mixture_display import source_tables
