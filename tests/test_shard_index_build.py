@@ -111,6 +111,7 @@ def test_build_aimed_at_an_allowed_global_changes_nothing_and_is_refused(module:
     result = _read(real_index, payload, tmp_path)
     assert _everything() == before
     assert isinstance(result, CheckpointError) and "not a readable shard index" in str(result)
+    assert f"it sets state on the class {module}.{name} itself" in str(result)
     assert str(pathlib.PosixPath("a", "b")) == "a/b"
 
 

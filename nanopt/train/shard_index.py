@@ -8,7 +8,7 @@ rewrite pathlib.PosixPath or DCP's dataclasses for the rest of the process. So r
    of) resolves to a class made for this one read, whose instances only record the arguments they were called
    with, the state BUILD gave them and the items SETITEMS put in. Nothing else is reachable: no global resolves to
    a real object and persistent ids are refused, so no opcode sequence can touch anything outside the pickle's own
-   result. BUILD aimed at a stand-in class fails (its __setstate__ needs an instance).
+   result. BUILD aimed at a stand-in class is refused (StandInType).
 2. nanopt's own code then builds the real metadata objects from what was recorded, each field type- and
    range-checked (shapes are tuples of small non-negative ints, chunks lie inside their tensor, shard paths name
    shard files), so a value DCP later relies on is one nanopt has looked at.
@@ -81,6 +81,18 @@ class Recorded:
         self.items[key] = value
 
 
+class StandInType(type):
+    """The type of each stand-in class. BUILD aimed at a class (the pickle's way to setattr on it) looks its
+    __setstate__ up here first, as a data descriptor of the metaclass, and is refused in words."""
+
+    @property
+    def __setstate__(cls) -> Any:
+        def refuse(state: Any) -> None:
+            raise pickle.UnpicklingError(f"it sets state on the class {'.'.join(cls.named)} itself, which no index "
+                                         "does")
+        return refuse
+
+
 class RecordingUnpickler(pickle.Unpickler):
     """Resolves each allowed global to a stand-in class made for this unpickler (the same one each time it is
     named, so the second stage can tell them apart), and everything else to an error. The extension registry's
@@ -94,7 +106,7 @@ class RecordingUnpickler(pickle.Unpickler):
         if not ((module, name) in INDEX_GLOBALS or is_dtype_name(module, name)):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a shard index")
         if (module, name) not in self.stand_ins:
-            self.stand_ins[module, name] = type(name, (Recorded,), {"__slots__": (), "named": (module, name)})
+            self.stand_ins[module, name] = StandInType(name, (Recorded,), {"__slots__": (), "named": (module, name)})
         return self.stand_ins[module, name]
 
 
