@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from clihelp import REPO, assert_user_error, run_cli
 from faulthelp import Launcher, tree_digest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from jsonhelp import field_paths
 from taskdata import RECORDS, write_task_data
 from trainhelp import HIDE_CUDA, make_run
 
@@ -192,14 +192,6 @@ def json_values() -> st.SearchStrategy[str]:
     nested = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
         st.text(max_size=6), inner, max_size=3), max_leaves=8)
     return st.one_of(st.sampled_from(JUNK), nested.map(json.dumps), st.just(DELETE))
-
-
-def field_paths(value: Any, path: tuple = ()) -> Iterator[tuple]:
-    """Every field of a record, containers and what they hold, as a path of keys and indices."""
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, child in children:
-        yield (*path, key)
-        yield from field_paths(child, (*path, key))
 
 
 def with_raw(record: Any, path: tuple, raw: str) -> str:

@@ -34,6 +34,7 @@ from clihelp import assert_user_error
 from faulthelp import Launcher, tiny_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonhelp import field_paths
 
 from nanopt.data.dataset import TokenDataset
 from nanopt.errors import DataError, NanoptError
@@ -64,14 +65,6 @@ def junk_values() -> st.SearchStrategy[str]:
     nested = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
         st.text(max_size=4), inner, max_size=3), max_leaves=6)
     return st.one_of(st.sampled_from(JUNK), nested.map(json.dumps), st.just(DELETE))
-
-
-def field_paths(value: Any, path: tuple = ()) -> Iterator[tuple]:
-    """Every field of a JSON value, containers and leaves, as a path of keys and indices."""
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, child in children:
-        yield (*path, key)
-        yield from field_paths(child, (*path, key))
 
 
 def mutated(meta: dict[str, Any], path: tuple, junk: str) -> str:

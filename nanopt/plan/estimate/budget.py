@@ -86,7 +86,7 @@ def widths(template: ModelConfig) -> list[int]:
                   if hidden % (head_dim_for(template.architecture, hidden) * group) == 0)
 
 
-def _closest_width(template: ModelConfig, layers: int, target: int,
+def closest_width(template: ModelConfig, layers: int, target: int,
                    candidates: list[int]) -> tuple[ModelConfig, int]:
     """The width of `candidates` whose count is closest to `target`; the count grows with the width, so a
     bisection finds it."""
@@ -106,7 +106,7 @@ def model_for(template: ModelConfig, params: int) -> ModelConfig:
     """The most balanced shape of the template's family whose parameter count is within SHAPE_TOLERANCE of
     `params`; the closest count when none is (a budget so small the embeddings alone exceed it)."""
     grid = widths(template)
-    candidates = [_closest_width(template, layers, params, grid) for layers in range(1, MAX_LAYERS + 1)]
+    candidates = [closest_width(template, layers, params, grid) for layers in range(1, MAX_LAYERS + 1)]
     aspect = TARGET_ASPECT[template.architecture]
 
     def imbalance(cfg: ModelConfig) -> float:

@@ -16,7 +16,7 @@ import math
 
 from nanopt.config import ModelConfig
 from nanopt.model.flops import count_params
-from nanopt.plan.estimate.budget import FAMILY_TEMPLATES, MAX_LAYERS, TARGET_ASPECT, shape, widths
+from nanopt.plan.estimate.budget import FAMILY_TEMPLATES, MAX_LAYERS, TARGET_ASPECT, closest_width, shape, widths
 
 FAMILY_SEQ_LEN = {"llama": 2048, "gpt2": 1024}
 MIN_SEQ_LEN = 64
@@ -90,16 +90,7 @@ def _per_depth(base: ModelConfig, params: int) -> list[tuple[ModelConfig, int]]:
     grid = widths(base)
     found = []
     for layers in range(MIN_LAYERS, MAX_LAYERS + 1):
-        low, high = 0, len(grid) - 1
-        while low < high:
-            mid = (low + high) // 2
-            if count_params(shape(base, layers, grid[mid])).total < params:
-                low = mid + 1
-            else:
-                high = mid
-        options = [shape(base, layers, grid[i]) for i in {max(0, low - 1), low}]
-        best = min(options, key=lambda cfg: abs(count_params(cfg).total - params))
-        found.append((best, count_params(best).total))
+        found.append(closest_width(base, layers, params, grid))
         if count_params(shape(base, layers, grid[0])).total > 2 * params and len(found) > 1:
             break
     return found
