@@ -32,7 +32,7 @@ from nanopt.files import check_run_dir
 from nanopt.runtime import init_runtime, runtime_on, shutdown
 from nanopt.train.checkpoint import Checkpoint, checkpoints_dir, complete_checkpoints, read_meta, read_pointer, step_of
 from nanopt.train.checkpoint.hold import Hold, remove_stale_holds, still_there
-from nanopt.train.metrics import read_metrics
+from nanopt.train.metrics import iter_metrics
 
 DEFAULT_POLL_S = 30.0
 MAX_POLL_S = 86400.0
@@ -140,7 +140,7 @@ def _say_missed(run_dir: Path, since: float, seen: set[tuple[str, str]], summary
     """Pass over, with a note, each checkpoint training wrote while the watcher ran (metrics.jsonl's checkpoint
     events) that retention deleted before the watcher looked: it fell behind, and keep_checkpoints is small."""
     looked_at = {name for name, _ in seen} | set(summary.passed_over)
-    for record in read_metrics(run_dir):
+    for record in iter_metrics(run_dir):
         if record.get("kind") != "event" or record.get("event") != "checkpoint":
             continue
         written, path = record.get("time"), record.get("path")

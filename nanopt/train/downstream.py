@@ -11,12 +11,13 @@ run goes on; it never stops or loses a training run.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
 from nanopt.runtime import Runtime
-from nanopt.train.metrics import read_metrics
+from nanopt.train.metrics import iter_metrics
 from nanopt.train.phases import occasions
 from nanopt.train.task_curves import TASK_PREFIX
 
@@ -92,14 +93,17 @@ def run_downstream(s: Any) -> dict[str, Any] | None:
     """For the end-of-run summary (rank 0, which writes metrics.jsonl): the run's latest downstream scores."""
     if not (s.rt.is_main and s.run.train.downstream_tasks):
         return None
-    return latest_downstream(read_metrics(s.run.run_dir))
+    return latest_downstream(iter_metrics(s.run.run_dir))
 
 
-def latest_downstream(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The newest eval record's downstream metrics ({"step": N, "task_...": value, ...}), None if none has any."""
-    for record in reversed(records):
+def latest_downstream(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest eval record's downstream metrics ({"step": N, "task_...": value, ...}), None if none has any; read
+    forward, keeping only the newest such record, so a long metrics.jsonl is never held whole."""
+    newest = None
+    for record in records:
         if record.get("kind") == "eval" and any(k.startswith(TASK_PREFIX) for k in record):
-            return {"step": record.get("step"),
-                    **{k: v for k, v in record.items() if k.startswith(TASK_PREFIX)}}
-    return None
+            newest = record
+    if newest is None:
+        return None
+    return {"step": newest.get("step"), **{k: v for k, v in newest.items() if k.startswith(TASK_PREFIX)}}
 

@@ -30,7 +30,7 @@ from nanopt.train.downstream import (
 from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
-from nanopt.train.metrics import read_metrics, write_loss_chart
+from nanopt.train.metrics import iter_metrics, write_loss_chart
 from nanopt.train.mixture_report import announce_sources, evaluate_sources, source_record, source_summary
 from nanopt.train.preemption import preemption_handler
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
@@ -109,7 +109,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     start_watching(session)  # after the resume, which restores the losses from before its checkpoint
     health_watch.start_health(session)
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
-        session.earlier = phases.newest_per_session(read_metrics(run.run_dir))
+        session.earlier = phases.newest_per_session(iter_metrics(run.run_dir))
     _announce(session)
     if not announce_sources(session):  # a mixture tells of each source instead
         _warn_if_data_repeats(session)
@@ -140,7 +140,7 @@ def _warn_if_data_repeats(s: Session) -> None:
     record = {"split_tokens": s.dataset.split_tokens("train"), "split_sequences": s.loader.num_windows,
               "seq_len": s.run.seq_len, "run_tokens": s.run.total_tokens, "epochs": epochs}
     if any(r.get("event") == "data_repeats" and r.get("run_tokens") == record["run_tokens"]
-           for r in read_metrics(s.run.run_dir)):
+           for r in iter_metrics(s.run.run_dir)):
         return
     s.metrics.write("event", step=s.state.step, event="data_repeats", **record)
     s.observer.data_repeats(record)

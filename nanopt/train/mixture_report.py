@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanopt.train.metrics import read_metrics
+from nanopt.train.metrics import iter_metrics
 from nanopt.train.session import Session
 
 
@@ -63,7 +63,7 @@ def announce_sources(s: Session) -> bool:
     s.observer.note(f"warning: sources read more than data_epochs_warning = {limit:g} times: {listing} epochs "
                     "(lower their weight, tokenize more of them, or raise data_epochs_warning)")
     if not any(r.get("event") == "source_repeats" and r.get("run_tokens") == s.run.total_tokens
-               for r in read_metrics(s.run.run_dir)):
+               for r in iter_metrics(s.run.run_dir)):
         s.metrics.write("event", step=s.state.step, event="source_repeats", run_tokens=s.run.total_tokens,
                         limit=limit, epochs=over)
     return True

@@ -30,7 +30,7 @@ from nanopt.train import checkpoint as ckpt
 from nanopt.train import sharded
 from nanopt.train.contents import DamagedState, state_values_problem
 from nanopt.train.lowbit import check_stored_moments, is_adamw8bit
-from nanopt.train.metrics import read_metrics
+from nanopt.train.metrics import iter_metrics
 from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state, load_sharded_state, sharded_state
 from nanopt.train.session import Session
 
@@ -265,7 +265,7 @@ def _restore_spike_history(s: Session, step: int) -> None:
     when a spike is most likely, and a fresh monitor would be blind for its first `min_history` steps."""
     if s.spikes is None or not s.rt.is_main:  # only rank 0 reports spikes
         return
-    for record in read_metrics(s.run.run_dir):
+    for record in iter_metrics(s.run.run_dir):
         loss = record.get("loss")
         if record.get("kind") == "train" and record.get("step", 0) <= step and isinstance(loss, float):
             if math.isfinite(loss):
