@@ -151,7 +151,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)), max_leaves=6)
 raw_json_values = st.one_of(st.sampled_from(EXTREMES + WRONG_TYPES), json_values.map(json.dumps))
 
-# Keys where 0 is a legitimate value (README: "0: off" and friends); everywhere else a number must be positive.
+# Keys where 0 is a legitimate value (docs/config.md: "0: off" and friends); everywhere else a number must be positive.
 ZERO_OK_KEYS = {"warmup_steps", "eval_interval", "checkpoint_interval", "seed", "grad_clip", "weight_decay", "dropout",
                 "min_lr_ratio", "beta1", "beta2", "price_per_hour", "recovery_skip_steps", "recovery_lr_steps",
                 "downstream_interval",  # 0: no downstream tasks in the loop

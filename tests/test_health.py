@@ -243,7 +243,7 @@ DEMO_RECORDS = Path(__file__).parent / "golden" / "demo_train_records.jsonl"
 
 def test_the_demos_healthy_run_reaches_no_verdict():
     """The train records (loss, grad norms, clipped share, update ratios) of runs/demo trained to its 1200 steps on
-    a CPU, logged every 10 steps before runs recorded blocks, replayed from its logged steps: the run the README's
+    a CPU, logged every 10 steps before runs recorded blocks, replayed from its logged steps: the run docs/health.md's
     healthy figures come from is judged healthy."""
     records = [json.loads(line) for line in DEMO_RECORDS.read_text().splitlines()]
     demo = json.loads((Path(__file__).parents[1] / "runs" / "demo" / "train.json").read_text())

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's data: the built-in corpus, tokenized as the README's quickstart does."""
+    """The demo's data: the built-in corpus, tokenized as the README's CPU demo does."""
     out = tmp_path_factory.mktemp("data") / "stdlib"
     result = run_cli("tokenize", "--out", out, timeout=900)
     assert result.returncode == 0, result.stderr
