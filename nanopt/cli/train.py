@@ -166,7 +166,7 @@ _EXIT_STATUS = {"completed": 0, "preempted": STOPPED_EARLY, "diverged": 2, "erro
 class _ExitHook:
     """The on-exit command (train.json `on_exit`, --on-exit), run once by the process whose end is the run's end:
     rank 0, or the one that was to start torchrun when the run fails before it. `with hook:` around work whose
-    failure ends the run runs it with that error, which then goes on to nanopt.cli.app.main as before (the same
+    failure ends the run runs it with that error, which then goes on to nanopt.cli.app.main unchanged (the same
     error line and exit status); `finished(summary)` runs it when training returned."""
 
     def __init__(self, run_dir: Path, command: str | None) -> None:

@@ -19,7 +19,7 @@ from nanopt.parsing import INT64_MAX, check_option
 BUILTIN_VOCAB_SIZE = 1024  # see TokenizeSettings.vocab_size
 # Held out by default: documents whose hash falls below this share go to val (as many again to test) until the
 # split has its target of tokens. So at most 10% of a small corpus leaves train (the built-in corpus: ~170k tokens
-# each, as before), and a large one fills a 1,048,576-token target from about its first 20M tokens: val and test
+# each), and a large one fills a 1,048,576-token target from about its first 20M tokens: val and test
 # then come from the start of the source, which a source sorted by topic or date should be shuffled for.
 HELD_OUT_FRACTION = 0.05
 # Without --run: what `nanopt eval` reads of test by default, and train.json's default eval_tokens.

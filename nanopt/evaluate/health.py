@@ -76,7 +76,7 @@ def _as_trained(run: RunConfig) -> RunConfig:
         config = read_meta(newest[0] / "meta.json")["config"]
         model = model_config_from_snapshot(config["model"], "config.model")
         train = train_config_from_snapshot(config["train"], model, "config.train")
-    except (NanoptError, KeyError, TypeError):  # damaged or foreign: its run is judged by train.json, as before
+    except (NanoptError, KeyError, TypeError):  # damaged or foreign: its run is judged by train.json
         return run
     return RunConfig(run_dir=run.run_dir, model=model, train=train)
 

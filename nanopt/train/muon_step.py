@@ -2,11 +2,11 @@
 
 torch's own step (torch.optim._muon._single_tensor_muon) walks the matrices one at a time, and each costs about 25
 kernel launches: the momentum, a bf16 copy and its norm, five Newton-Schulz iterations of three matmuls, the weight
-decay and the update. GPT-2 small has 48 such matrices in four shapes. On the second GPU window (an H200) Muon ran
-at 0.73x AdamW's tokens/s, and the arithmetic does not explain that: about 1.2 TFLOP a step, 2 ms at the card's
-rate. The launches do. Here the matrices of one shape go through the iteration as one batch (torch.baddbmm), and
-the elementwise parts run as foreach operations over every matrix. That is the same arithmetic in the same
-precision with about a tenth of the launches. The state (torch's `momentum_buffer` per parameter) and the parameter
+decay and the update. GPT-2 small has 48 such matrices in four shapes: some 1,200 launches a step for about 1.2
+TFLOP of arithmetic (2 ms on an H100), so the launches, not the arithmetic, set the step's time (0.73x AdamW's
+tokens/s measured with torch's step; bench/RESULTS.md). Here the matrices of one shape go through the iteration as
+one batch (torch.baddbmm), and the elementwise parts run as foreach operations over every matrix. That is the same
+arithmetic in the same precision with about a tenth of the launches. The state (torch's `momentum_buffer` per parameter) and the parameter
 groups are torch's, so checkpoints, resumes and DCP's state dicts do not change.
 """
 

@@ -70,7 +70,7 @@ def new_stager(device: torch.device) -> Any:
     """A stager that keeps the host copy of the state between saves, so that each save after the first copies into
     memory it already has (pinned on CUDA) instead of allocating and faulting in a copy of the whole state: that
     allocation was most of the time a save blocked the step. None on a torch without DCP's stagers (before 2.9),
-    or whose stagers cannot be reused (2.11): every save then allocates its copy, as before."""
+    or whose stagers cannot be reused (2.11): every save then allocates its own copy."""
     import inspect
 
     import torch.distributed.checkpoint as dcp
@@ -115,7 +115,7 @@ def save(state: dict[str, Any], directory: Path, group: Any) -> None:
 
 def _refuse_link(directory: Path) -> None:
     """The `.tmp-step-N/` checkpoint.begin made on rank 0 is never a link: DCP writes wherever it is told. (A
-    directory another node does not see yet is DCP's to report, as before.)"""
+    directory another node does not see yet is DCP's to report.)"""
     if Path(directory).is_symlink():
         raise link_refused(Path(directory))
 

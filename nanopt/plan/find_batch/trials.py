@@ -145,7 +145,7 @@ def _report_device(run: RunConfig, conn: Any) -> None:
         facts = {"cuda": cuda, "precision": resolve_precision(run.train.precision, device),
                  "compiled": resolve_compile(run.train.compile, device),
                  "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None}
-    except NanoptError as exc:  # an unsupported precision: reported by the first trial, as before
+    except NanoptError as exc:  # an unsupported precision: the first trial reports it
         facts = {"cuda": cuda, "precision": None, "compiled": False, "device_memory_bytes": None,
                  "error": exc.message}
     conn.send(facts)

@@ -173,7 +173,7 @@ def remove_step_dir(path: Path, spare: Callable[[], bool] | None = None) -> bool
     remove_tree(doomed, inside=root, quiet=True)
     try:
         path.rename(doomed)
-    except OSError:  # gone already, or not ours to move: delete in place as before
+    except OSError:  # gone already, or not ours to move: delete it where it is
         doomed = path
     if spare is not None and doomed != path and spare():
         doomed.rename(path)
