@@ -6,8 +6,8 @@ decay and the update. GPT-2 small has 48 such matrices in four shapes: some 1,20
 TFLOP of arithmetic (2 ms on an H100), so the launches, not the arithmetic, set the step's time (0.73x AdamW's
 tokens/s measured with torch's step; bench/RESULTS.md). Here the matrices of one shape go through the iteration as
 one batch (torch.baddbmm), and the elementwise parts run as foreach operations over every matrix. That is the same
-arithmetic in the same precision with about a tenth of the launches. The state (torch's `momentum_buffer` per parameter) and the parameter
-groups are torch's, so checkpoints, resumes and DCP's state dicts do not change.
+arithmetic in the same precision with about a tenth of the launches. The state (torch's `momentum_buffer` per
+parameter) and the parameter groups are torch's, so checkpoints, resumes and DCP's state dicts do not change.
 """
 
 from __future__ import annotations
