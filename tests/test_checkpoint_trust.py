@@ -113,18 +113,33 @@ def test_an_optimizer_header_safetensors_accepts_but_nanopt_does_not_read_is_one
                       "tensor 'embed_tokens.weight/unknown_state'", fragment)
 
 
+# `python -m nanopt ARGS` that writes its own peak resident memory (VmHWM) to the file named in argv[1] as it exits.
+# Not ru_maxrss from wait4: Linux carries the parent's high-water mark into a child across fork and exec, so a child
+# of a pytest worker that has grown past 1 GiB would report the worker's peak, not its own. VmHWM belongs to the
+# memory map exec makes, so it counts the command alone.
+PEAK_REPORTING = """
+import atexit, runpy, sys
+peak_file = sys.argv.pop(1)
+def report():
+    with open("/proc/self/status") as status, open(peak_file, "w") as out:
+        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+atexit.register(report)
+runpy.run_module("nanopt", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_measured(*args: object) -> tuple[SimpleNamespace, int]:
     """`nanopt ARGS` in a child process, and that child's own peak resident memory in bytes."""
     env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", **HIDE_CUDA}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen([sys.executable, "-m", "nanopt", *map(str, args)], cwd=REPO, env=env, stdout=out,
-                                 stderr=err, text=True)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as out, \
+            tempfile.TemporaryFile("w+") as err:
+        peak_file = Path(scratch) / "peak"
+        child = subprocess.run([sys.executable, "-c", PEAK_REPORTING, str(peak_file), *map(str, args)], cwd=REPO,
+                               env=env, stdout=out, stderr=err, text=True, timeout=600)
         out.seek(0)
         err.seek(0)
         result = SimpleNamespace(returncode=child.returncode, stdout=out.read(), stderr=err.read())
-    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        peak = int(peak_file.read_text()) * 1024  # VmHWM is in kB
     return result, peak
 
 
