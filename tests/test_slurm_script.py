@@ -141,3 +141,13 @@ def test_a_training_sent_usr1_saves_and_exits_75(tmp_path: Path, tiny_dataset: P
     assert job.returncode == 75, err[-2000:]
     assert "received SIGUSR1: finishing this step, saving a checkpoint" in err
     assert (run / "checkpoints" / "latest").exists()
+
+
+def test_a_link_where_the_script_goes_is_refused_and_its_target_left_alone(tmp_path: Path, tiny_dataset: Path) -> None:
+    run = tiny_run(tmp_path, tiny_dataset, "linked")
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own file\n")
+    (run / "slurm.sbatch").symlink_to(target)
+    result = nanopt_slurm(str(run), "--nodes", "1", "--gpus-per-node", "2", "--cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert target.read_text() == "the user's own file\n"

@@ -13,6 +13,7 @@ from rich.markup import escape
 from nanopt.cli.app import SET_HELP, app, console, load_run_config
 from nanopt.cli.helptext import epilog
 from nanopt.cli.launch import STOPPED_EARLY
+from nanopt.files import replace_file
 from nanopt.parsing import check_option
 
 ABOUT = """
@@ -60,7 +61,7 @@ def slurm_command(
     plan = plan_job(run.run_dir.resolve(), nodes, gpus_per_node, estimate_s, time_s, partition=partition,
                     account=account, cpu=cpu)
     script = plan.run_dir / "slurm.sbatch"
-    script.write_text(job_script(plan, sys.executable, Path.cwd(), STOPPED_EARLY))
+    replace_file(script, job_script(plan, sys.executable, Path.cwd(), STOPPED_EARLY))  # never through a link
     os.chmod(script, 0o755)
     say = console(stderr=True)
     say.print(escape(f"wrote {script}: {plan.pieces} job piece(s) of {format_time(plan.time_limit_s)} for an estimated "
