@@ -68,6 +68,7 @@ TRAIN = {
     "precision": "the training dtype",
     "tf32": "CUDA: fp32 matmuls on TF32 tensor cores",
     "compile": "torch.compile",
+    "cuda_graphs": "one GPU: each micro-batch replayed from a CUDA graph",
     "fp8": "FP8 matmuls, opt-in",
     "activation_checkpointing": "recompute block activations in backward",
     "parallelism": "how ranks split the model and optimizer state under torchrun",
@@ -288,6 +289,12 @@ TRAIN_DETAILS = [
         """),
     (('compile',), '`auto`', """
         torch.compile: `auto` is on for CUDA, off on the CPU
+        """),
+    (('cuda_graphs',), 'false', """
+        One GPU: each micro-batch's forward and backward captured once as a CUDA graph and replayed, which removes
+        the host's launch gaps between kernels; the arithmetic is the same. Captured again for a new micro-batch
+        shape (a sequence-length stage). Refused in one line on the CPU, with more than one rank and in fp16. Off
+        until a GPU window measures what it gains (bench/RESULTS.md)
         """),
     (('fp8',), '`off`', """
         FP8 matmuls, opt-in (see [FP8](fp8-and-muon.md#fp8)): `head` (the output head's GEMMs inside the loss,

@@ -246,3 +246,18 @@ def test_health_profile_llama_and_micro_batch_64_report_their_measurements(smoke
     assert {r["side"] for r in rows} == {"nanopt", "nanogpt-compiled", "comparison"}
     assert all(r["status"] == "ok" and "--run runs/gpt2-small " in r["command"] for r in rows)
     assert all(r["ratio"] > 0 for r in rows if r["side"] == "comparison")
+
+
+def test_stacked_compares_both_sides_and_graphs_records_its_refusal_on_the_cpu(smoke):
+    by = _by_workload(smoke.records)
+    stacked = by["gpt2-small:stacked"]
+    assert {r["side"] for r in stacked} == {"separate", "stacked", "comparison"}
+    assert all(r["status"] == "ok" for r in stacked)
+    assert all(r["speedup"] > 0 and len(r["speedup_rounds"]) == 2 for r in stacked if r["side"] == "comparison")
+    graphs = by["gpt2-small:graphs"]
+    graphed = [r for r in graphs if r["side"] == "graphed"]
+    assert graphed and all(r["status"].startswith("refused: ") and "needs a CUDA GPU" in r["status"] for r in graphed)
+    launched = [r for r in graphs if r["side"] == "launched"]
+    assert launched and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in launched)
+    comparisons = [r for r in graphs if r["side"] == "comparison"]
+    assert comparisons and all("speedup" not in r and "graphed refused" in r["status"] for r in comparisons)

@@ -97,6 +97,10 @@ STEPS = (
     Step("stacked-gpt2", ("gpt2-small:stacked",), ("cold", "cold"), 32, 60),
     # The same for the 1B (gate/up stacked too), at throughput-llama's shape, one round: each side freed first.
     Step("stacked-llama", ("llama-1b:stacked",), ("cold-1b", "cold-1b"), 35, 60),
+    # Each micro-batch replayed from a CUDA graph (train.json cuda_graphs) against launched kernel by kernel, at
+    # throughput-gpt2's shape and rounds. Both sides compile the same graph: cold for the first, a cache hit for the
+    # second; the graph side's capture (two warm-up micro-steps and the capture) counts as its measuring work.
+    Step("graphs-gpt2", ("gpt2-small:graphs",), ("cold", "cached"), 36, 60),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -104,13 +108,14 @@ STEP_NAMES = tuple(s.name for s in STEPS)
 PLANS = {
     "window": ("preflight", "data", "throughput-gpt2", "memory", "find-batch", "bf16-vs-fp32", "profile",
                "gpu-tests"),
-    # The fourth window's (bench/RESULTS.md, "Queue"), what decides the most first: the 1B against its baseline (RoPE
-    # read from tables), the 1B with fp8 "all" (torchao carried to the machine), stacked q/k/v against separate GEMMs
-    # on GPT-2 small (which decides Transformer.stack_projections' default), then the GPU tests, which take what the
-    # steps before leave. The 1B's profile waits for a call of its own: its own budget does not fit beside these.
-    "next": ("preflight", "data", "throughput-llama", "throughput-llama-fp8", "stacked-gpt2", "gpu-tests"),
-    # The rest of the stacked question (the 1B, gate/up stacked too) and the 1B's profile, for a second call.
-    "stacked": ("preflight", "stacked-llama", "profile-llama", "gpu-tests"),
+    # The next window's (bench/RESULTS.md, "Queue"), what decides the most first: the 1B against its baseline (RoPE
+    # read from tables), the 1B with fp8 "all" (torchao carried to the machine), CUDA graphs against launched kernels
+    # on GPT-2 small at its preset's cadence (the launch gaps between kernels: the largest lever the profiles show;
+    # decides cuda_graphs' default), then the GPU tests, the graph's own first, which take what the steps before
+    # leave. The 1B's profile waits for a call of its own: its own budget does not fit beside these.
+    "next": ("preflight", "data", "throughput-llama", "throughput-llama-fp8", "graphs-gpt2", "gpu-tests"),
+    # Stacked q/k/v (and the 1B's gate/up) against separate GEMMs, and the 1B's profile, for a second call.
+    "stacked": ("preflight", "stacked-gpt2", "stacked-llama", "profile-llama", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

@@ -10,9 +10,9 @@ from gpusession.gputests import step_gpu_tests
 from gpusession.health import step_health
 from gpusession.preflight import step_data, step_preflight
 from gpusession.records import Context
-from gpusession.stacked import step_stacked
 from gpusession.throughput import step_memory, step_throughput, step_throughput_fp8
 from gpusession.training import step_bf16_vs_fp32, step_profile, step_resume
+from gpusession.variants import step_variants
 
 WORKERS: dict[str, Callable[[Context], None]] = {
     "preflight": step_preflight,
@@ -40,8 +40,11 @@ WORKERS: dict[str, Callable[[Context], None]] = {
     # The 1B with fp8 "all" (torchao carried to the machine), beside throughput-llama's bf16 figures.
     "throughput-llama-fp8": step_throughput_fp8,
     # q/k/v (and the 1B's gate/up) as one GEMM each against one per layer, at the throughput steps' shapes.
-    "stacked-gpt2": lambda ctx: step_stacked(ctx, "gpt2-small:stacked", "gpt2-small", wanted_micro=32, accum_cap=16,
-                                             timed_micro=32, rounds=2),
-    "stacked-llama": lambda ctx: step_stacked(ctx, "llama-1b:stacked", "llama-1b", wanted_micro=8, accum_cap=8,
-                                              timed_micro=16, rounds=1),
+    "stacked-gpt2": lambda ctx: step_variants(ctx, "stacked", "gpt2-small:stacked", "gpt2-small", wanted_micro=32,
+                                              accum_cap=16, timed_micro=32, rounds=2),
+    "stacked-llama": lambda ctx: step_variants(ctx, "stacked", "llama-1b:stacked", "llama-1b", wanted_micro=8,
+                                               accum_cap=8, timed_micro=16, rounds=1),
+    # Each micro-batch replayed from a CUDA graph against launched kernel by kernel, at GPT-2's preset cadence.
+    "graphs-gpt2": lambda ctx: step_variants(ctx, "graphs", "gpt2-small:graphs", "gpt2-small", wanted_micro=32,
+                                             accum_cap=16, timed_micro=32, rounds=2),
 }

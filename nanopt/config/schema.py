@@ -82,6 +82,9 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
+    # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once (nanopt.train.
+    # graphed_step), which removes the host's launch gaps between kernels. Off until a GPU window measures it.
+    cuda_graphs: bool = False
     # FP8 matmuls (GPUs with FP8 tensor cores, bf16): "head", the output head in the loss; "all", also the blocks'
     # larger linear layers through torchao (nanopt.train.fp8). Weights and checkpoints are the same either way.
     fp8: Fp8Mode = "off"

@@ -66,9 +66,9 @@ FORMAT_VERSION = 1
 
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
 SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
-                  "activation_checkpointing", "parallelism", "fp8", "seq_len_stages")
+                  "activation_checkpointing", "parallelism", "fp8", "seq_len_stages", "cuda_graphs")
 # What a fingerprint written before a setting existed meant by leaving it out.
-_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None}
+_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None, "cuda_graphs": False}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
                 "global_batch_tokens": train.global_batch_tokens, "precision": train.precision, "tf32": train.tf32,
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
                 "parallelism": train.parallelism, "fp8": train.fp8, "seq_len_stages": train.seq_len_stages,
-                "world_size": world_size}
+                "cuda_graphs": train.cuda_graphs, "world_size": world_size}
     return json.loads(json.dumps(settings))
 
 

@@ -35,6 +35,7 @@ from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
 from nanopt.train.fp8 import apply_fp8
+from nanopt.train.graphed_step import GraphedMicroStep
 from nanopt.train.lowbit import is_adamw8bit, plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 from nanopt.train.recompute import apply_activation_checkpointing
@@ -51,6 +52,7 @@ class Prepared:
     ddp: torch.nn.Module | None
     fsdp: bool
     compiled: bool
+    graphed: GraphedMicroStep | None = None  # train.json's cuda_graphs (nanopt.train.graphed_step)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on accumulation micro-steps before the last one."""
@@ -105,7 +107,8 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
         # its own instead of turning the training graph's sizes symbolic. Over DDP, Dynamo's DDPOptimizer splits
         # the graph at DDP's bucket boundaries, hence buckets of a layer's size.
         wrapped = torch.compile(wrapped, dynamic=False)
-    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=False, compiled=compiled)
+    graphed = GraphedMicroStep(wrapped, list(model.parameters()), rt.autocast) if cfg.cuda_graphs else None
+    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=False, compiled=compiled, graphed=graphed)
 
 
 def _compile_blocks(model: torch.nn.Module) -> None:

@@ -18,6 +18,7 @@ from nanopt.rundir import RunDir
 from nanopt.runtime import Runtime, seed_everything
 from nanopt.train.events import Silent, TrainObserver
 from nanopt.train.fp8 import check_fp8
+from nanopt.train.graphed_step import check_cuda_graphs
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
@@ -112,6 +113,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     accum = run.grad_accum_steps(rt.world_size)
     check_model_fits(run, rt)
     check_fp8(run, rt.device, rt.precision, resolve_compile(run.train.compile, rt.device))
+    check_cuda_graphs(run, rt.device, rt.precision, rt.world_size)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)

@@ -35,14 +35,14 @@ def step(s: Session) -> tuple[float, float, bool]:
     # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data); its
     # tokens, whatever its sequence-length stage
     accum, tokens = s.loader.accum_at(s.loader.step), s.loader.tokens_in(s.loader.step)
+    if s.prepared.graphed is not None:
+        s.prepared.graphed.begin_step(accum)
     for micro in range(accum):
         inputs, targets = s.loader.next_batch()  # token ids already checked by the loader
         inputs = inputs.to(s.rt.device, non_blocking=True)
         targets = targets.to(s.rt.device, non_blocking=True)
         with s.prepared.gradient_sync(micro == accum - 1):
-            with s.rt.autocast():
-                loss = s.prepared.model(inputs, targets)
-            scaled(scaler, loss / accum).backward()
+            loss = _forward_backward(s, inputs, targets, accum, scaler)
         loss_sum += loss.detach().float()
     unscale(scaler, optimizers_of(s.optimizer))
     if probe is not None:
@@ -68,6 +68,18 @@ def step(s: Session) -> tuple[float, float, bool]:
     st.tokens += tokens
     st.last_loss = mean_loss
     return mean_loss, norm_value, any_stop
+
+
+def _forward_backward(s: Session, inputs: torch.Tensor, targets: torch.Tensor, accum: int,
+                      scaler: torch.amp.GradScaler | None) -> torch.Tensor:
+    """One micro-batch's loss, its gradients added into `.grad`: replayed from a CUDA graph when train.json's
+    cuda_graphs is on (nanopt.train.graphed_step), else run."""
+    if s.prepared.graphed is not None:
+        return s.prepared.graphed.run(inputs, targets)
+    with s.rt.autocast():
+        loss = s.prepared.model(inputs, targets)
+    scaled(scaler, loss / accum).backward()
+    return loss
 
 
 def logged(s: Session, step: int) -> bool:
