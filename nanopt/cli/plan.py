@@ -13,6 +13,7 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
 from nanopt.cli.helptext import epilog
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
+from nanopt.shown import shell_word
 
 ABOUT = """
 The budget becomes the training steps' FLOPs: a time or money budget less a setup allowance and the shares kept
@@ -150,3 +151,52 @@ def _tflops(d: dict[str, Any]) -> str:
     each = d["peak_tflops"]
     peak = f"{each:.1f} TFLOP/s" if each >= 1 else f"{each * 1000:.1f} GFLOP/s"
     return peak if d["num_gpus"] == 1 else f"{d['num_gpus']} x {peak}"
+
+
+def correct_after_preflight(run: Any, world_size: int) -> dict[str, Any] | None:
+    """For a run `nanopt plan` wrote: its plan corrected from the preflight just saved (nanopt.plan.recipe.correct)
+    and written when it changes anything, as JSON-ready facts for --json; None for a run nobody planned. A plan
+    that cannot be corrected (the run started, the budget too small at the measured rate) is a warning."""
+    from nanopt.errors import ConfigError
+    from nanopt.plan.recipe.correct import correct_plan, write_correction
+
+    try:
+        correction = correct_plan(run, world_size)
+        if correction is None:
+            return None
+        if correction.changes:
+            correction = write_correction(correction)
+    except ConfigError as exc:
+        return {"corrected": False, "warning": exc.message, "hint": exc.hint}
+    return {"corrected": correction.written, "why": correction.why,
+            "changes": [{"key": key, "planned": old, "corrected": new} for key, old, new in correction.changes],
+            "predicted_total_s": {"planned": correction.before["total_s"], "corrected": correction.after["total_s"]},
+            "predicted_cost_usd": {"planned": correction.before["cost_usd"], "corrected": correction.after["cost_usd"]}}
+
+
+def render_correction(c: dict[str, Any], run: Path) -> None:
+    out = console()
+    if "warning" in c:
+        out.print(f"[bold yellow]warning:[/] the plan is not corrected: {escape(c['warning'])}", soft_wrap=True)
+        if c.get("hint"):
+            out.print(f"  hint: {escape(c['hint'])}", soft_wrap=True)
+        return
+    out.print(f"[bold]the plan, corrected from this measurement:[/] {escape(c['why'])}", soft_wrap=True)
+    if not c["changes"]:
+        return
+    table = Table(title=None)
+    for name in ("train.json", "planned", "corrected"):
+        table.add_column(name, justify="left" if name == "train.json" else "right")
+    for change in c["changes"]:
+        table.add_row(change["key"], *(_value(change[side]) for side in ("planned", "corrected")))
+    total = c["predicted_total_s"]
+    table.add_row("predicted time", fmt.duration(total["planned"]), fmt.duration(total["corrected"]))
+    out.print(table)
+    out.print(escape(f"wrote {run / 'train.json'} and plan.json (\"corrected\"): `nanopt train "
+                     f"{shell_word(run)}` trains the corrected plan"), soft_wrap=True)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return fmt.exact(value) if isinstance(value, int) else escape(str(value))

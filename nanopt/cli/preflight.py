@@ -15,13 +15,17 @@ from nanopt.cli.find_batch import seconds
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_asked
 from nanopt.cli.mixture_display import plan_table, plan_warnings
+from nanopt.cli.plan import correct_after_preflight, render_correction
 from nanopt.runtime import ranks, under_torchrun
 from nanopt.shown import shell_word
 
 ABOUT = """
 Nothing of the run is touched (no checkpoint, no metrics.jsonl, no lock): the checkpoint is timed in a temporary
 directory beside the run directory, removed afterwards. It writes RUN/preflight.json (and with --find-batch the
-search's find_batch.json), which `nanopt estimate RUN` then uses for its time and cost. Exit status 0 when every
+search's find_batch.json), which `nanopt estimate RUN` then uses for its time and cost. On a run `nanopt plan`
+wrote that has not started, the plan is corrected to its budget at the measured rate: train.json's training
+tokens, learning rate, warmup and intervals, and plan.json's "corrected", with a table of what changed (the
+model and batch, which the preflight measured, stay). Exit status 0 when every
 check passed, 3 when one failed (each is listed), 2 for a mistake to fix; so
 `nanopt preflight runs/demo && nanopt train runs/demo` trains only a run that passed.
 """
@@ -65,6 +69,9 @@ def preflight_command(
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT",
                                              rich_help_panel=DEVICES_PANEL, help="The rendezvous: the first node's, "
                                              "the same on every node (needed with --nnodes > 1)."),
+    correct: bool = typer.Option(True, "--correct-plan/--no-correct-plan", help="On a run `nanopt plan` wrote "
+                                 "that has not started: correct its steps, learning rate and intervals to the "
+                                 "budget at the measured rate (train.json and plan.json)."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print preflight.json's contents instead of tables."),
 ) -> None:
     """Before paying for a run: real training steps on this machine, checked (the loss falls, memory is flat, the
@@ -87,10 +94,15 @@ def preflight_command(
     with _Progress(main) as progress:
         report = preflight(run, opts, on_progress=progress.stage, on_trial=progress.trial)
     if main:
+        # Only what the preflight measured is corrected: with --set it measured another run than train.json's. A
+        # failed check (listed below) does not stop it: the rate measured is still the rate this run trains at.
+        correction = correct_after_preflight(run, nproc_per_node * nnodes) if correct and not sets else None
         if as_json:
-            print_json(report)
+            print_json({**report, "plan_correction": correction} if correction else report)
         else:
             render(report)
+            if correction:
+                render_correction(correction, Path(report["run"]))
         _say_failures(report)
     if not report["ok"]:
         raise typer.Exit(CHECKS_FAILED)
