@@ -16,6 +16,7 @@ from nanopt.cli.eval_tasks import harness_options, render_tasks, task_options
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
 from nanopt.cli.prediction_display import prediction_table
+from nanopt.evaluate.settings_diff import differences, shown
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
 
@@ -28,7 +29,8 @@ tokens were scored, of how many in the split.
 Bits per byte = loss / ln 2 / (bytes per token of the test split): it compares runs with different tokenizers.
 
 Results go to checkpoints/step-N/eval.json and runs/NAME/eval.json. With several runs, an eval.json made for the
-same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn, and one PNG
+same checkpoint and settings is reused (--fresh recomputes); each run is otherwise evaluated in turn. A table shows
+the model.json and train.json settings that differ between the runs, as each checkpoint was trained, and one PNG
 overlays the runs' train and validation loss against tokens (--chart; default: compare.png beside the first run,
 runs/compare.png for runs/a runs/b). A file that is not a chart nanopt drew is never replaced.
 
@@ -85,9 +87,9 @@ def eval_command(
     micro_batch_size: int | None = typer.Option(None, "--micro-batch-size", min=1, metavar="N", rich_help_panel=LOSS,
                                                 help="Sequences per forward pass (default: the run's "
                                                 "micro_batch_size)."),
-    no_loss: bool = typer.Option(False, "--no-loss/--loss", rich_help_panel=LOSS, help="Samples only, no test loss: "
-                                 "needs no dataset (the checkpoint carries its tokenizer) and writes no eval.json "
-                                 "(--loss: measure it, the default)."),
+    no_loss: bool = typer.Option(False, "--no-loss/--loss", rich_help_panel=LOSS, help="No test loss: samples and "
+                                 "--tasks only, which need no dataset (the checkpoint carries its tokenizer); writes "
+                                 "no eval.json (--loss: measure it, the default)."),
     prompts: list[str] | None = typer.Option(None, "--prompt", metavar="TEXT", rich_help_panel=SAMPLES,
                                              help="Prompt to continue (repeatable; default: an empty prompt (a new "
                                              "document), 'def' and 'The')."),
@@ -176,7 +178,7 @@ def eval_command(
         return
     _print_checkpoint_notes(results)
     if no_loss:
-        _render_samples_only(results, as_json)
+        _render_without_loss(results, as_json)
         if not as_json:
             render_tasks(results)
         return
@@ -187,7 +189,8 @@ def eval_command(
 
         drawn = write_comparison_chart([Path(r["run"]) for r in rows], chart)
     if as_json:
-        print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows), "chart": str(drawn)})
+        print_json(rows[0] if len(rows) == 1 else {"runs": rows, "notes": compare.notes(rows), "chart": str(drawn),
+                                                   "settings_differ": differences(rows)})
     elif len(rows) == 1:
         _render_one(rows[0])
         render_tasks(rows)
@@ -289,6 +292,7 @@ def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
                 "-" if r["gpu_hours"] is None else f"{r['gpu_hours']:.2f}", fmt.money(r["cost_usd"]),
                 fmt.money(r["cost_excluding_eval_usd"])] for rank, r in enumerate(rows, 1)]
     fmt.print_records(out, "nanopt eval: runs by test loss", headers, records, left=frozenset({"run"}))
+    _render_settings_differ(rows)
     timed = [(rank, r) for rank, r in enumerate(rows, 1) if r.get("time")]
     if timed:
         phases = list(fmt.PHASE_LABELS)
@@ -299,6 +303,19 @@ def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
         out.print(f"note: {escape(note)}")
     for r in rows:
         _render_samples(r)
+
+
+def _render_settings_differ(rows: list[dict[str, Any]]) -> None:
+    """The model.json and train.json keys whose values differ between the runs, a column per run in the order
+    above; one line when none do (nanopt.evaluate.settings_diff: which keys count)."""
+    found = differences(rows)
+    if not found:
+        console().print("settings: the runs were trained with the same model.json and train.json (logging, "
+                        "evaluation and checkpoint settings aside)")
+        return
+    headers = ["setting", *(escape(r["run"]) for r in rows)]
+    records = [[escape(d["setting"]), *(escape(shown(value)) for value in d["values"])] for d in found]
+    fmt.print_records(console(), "settings that differ, as trained", headers, records, left=frozenset(headers))
 
 
 def _phase_cell(phase: dict[str, Any]) -> str:
@@ -317,14 +334,27 @@ def _training_time(r: dict[str, Any]) -> str:
     return text + (f", {fmt.money(r['cost_usd'])}" if r.get("cost_usd") is not None else "")
 
 
-def _render_samples_only(results: list[dict[str, Any]], as_json: bool) -> None:
+def _render_without_loss(results: list[dict[str, Any]], as_json: bool) -> None:
+    """--no-loss: a heading per run that says what follows (samples, downstream tasks, the harness's scores),
+    then its samples; the tasks' table comes after every run's."""
     if as_json:
-        print_json(results[0] if len(results) == 1 else {"runs": results})
+        print_json(results[0] if len(results) == 1 else {"runs": results, "settings_differ": differences(results)})
         return
+    if len(results) > 1:
+        _render_settings_differ(results)
     for r in results:
-        console().print(escape(f"nanopt eval: {r['run']} at step {r['step']:,}: samples only (--no-loss); "
-                               f"tokenizer: {r['tokenizer_check']}"))
+        console().print(escape(f"nanopt eval: {r['run']} at step {r['step']:,}: {_shown_without_loss(r)} (--no-loss: "
+                               f"no test loss); tokenizer: {r['tokenizer_check']}"))
         _render_samples(r)
+
+
+def _shown_without_loss(r: dict[str, Any]) -> str:
+    """What a --no-loss result holds, as its heading names it: "samples only", "samples and downstream tasks", ..."""
+    parts = [name for name, present in (("samples", r["settings"]["samples"] is not None),
+                                        ("downstream tasks", bool(r.get("tasks"))),
+                                        ("lm-evaluation-harness scores", bool(r.get("harness")))) if present]
+    text = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
+    return text + " only" if len(parts) == 1 else text
 
 
 def _render_samples(r: dict[str, Any]) -> None:

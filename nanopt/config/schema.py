@@ -15,6 +15,7 @@ from nanopt.config.batch_ramp import BatchRamp, check_batch_warmup, ramp_of
 from nanopt.config.checks import check_non_negative, check_positive, check_range
 from nanopt.config.mixture import Mixture, resolve_mixture, wsd_decay_start
 from nanopt.config.model_config import ModelConfig
+from nanopt.config.no_data import check_has_data
 from nanopt.config.seq_stages import SeqStage, check_alone, resolve_stages
 from nanopt.errors import ConfigError
 from nanopt.hardware import MAX_PRICE_PER_HOUR
@@ -273,7 +274,9 @@ class RunConfig:
 
     @property
     def data_dirs(self) -> list[Path]:
-        """Every dataset directory `data` names: one, or a mixture's in train.json's order."""
+        """Every dataset directory `data` names: one, or a mixture's in train.json's order; ConfigError for an
+        imported run's placeholder (nanopt.config.no_data)."""
+        check_has_data(self.train.data, self.run_dir)
         mixture = self.train.mixture()
         paths = [self.train.data] if mixture is None else [item.path for item in mixture.sources]
         return [plain_path(self.run_dir / path) for path in paths]  # an absolute path stays as it is

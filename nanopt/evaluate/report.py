@@ -70,7 +70,7 @@ class EvalOptions:
     tokens: int | None = DEFAULT_EVAL_TOKENS  # test tokens over all ranks, capped by the split's size; None: all
     micro_batch_size: int | None = None  # default: the run's micro_batch_size
     samples: SampleSettings | None = field(default_factory=SampleSettings)  # None: no generation
-    loss: bool = True  # False: samples only, which need no dataset when the checkpoint carries its tokenizer
+    loss: bool = True  # False: samples and tasks only: no dataset needed when the checkpoint carries its tokenizer
     reuse: bool = False  # return an eval.json made with the same checkpoint and settings instead of recomputing
     tasks: TaskOptions | None = None  # downstream tasks (nanopt.evaluate.tasks); None: none
     harness: HarnessOptions | None = None  # the same tasks scored by lm-evaluation-harness itself; None: not run
@@ -178,9 +178,11 @@ def evaluate_run(rt: Runtime, run_dir: Path, opts: EvalOptions, progress: Progre
 
 def _context(run_dir: Path, trained: TrainedModel, settings: dict[str, Any]) -> dict[str, Any]:
     """What a result says that no forward pass measures: which run, checkpoint and data, what training cost to get
-    here (from metrics.jsonl), the run's health, and the settings it is reused under."""
+    here (from metrics.jsonl), the run's health, the settings it is reused under, and the config the checkpoint was
+    trained with (a comparison shows where runs' configs differ)."""
     return {"run": str(run_dir), "checkpoint": str(trained.checkpoint.path), "step": trained.checkpoint.step,
             "notes": _notes(trained), "dataset": str(trained.dataset.path), "split": SPLIT,
+            "config": trained.run.snapshot(),
             "split_tokens": trained.dataset.split_tokens(SPLIT), **training_record(trained),
             "tokenizer_check": trained.tokenizer_check, "settings": settings,
             "health": run_health(trained.run) if trained.run.train.health else None}
@@ -293,7 +295,8 @@ def sample_run(rt: Runtime, run_dir: Path, trained: TrainedModel, opts: EvalOpti
             "notes": _notes(trained),
             "dataset": str(trained.dataset.path) if trained.dataset else None, "test_loss": None,
             "tokenizer_check": trained.tokenizer_check, "samples": samples, **tasks,
-            "settings": {"samples": asdict(settings) if settings else None}, "device": str(rt.device)}
+            "settings": {"samples": asdict(settings) if settings else None}, "config": trained.run.snapshot(),
+            "device": str(rt.device)}
 
 
 def write_result(rt: Runtime, result: dict[str, Any], trained: TrainedModel, run_dir: Path,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nanopt.config import RunConfig, train_config_from_snapshot
+from nanopt.config.no_data import is_placeholder
 from nanopt.data.dataset import TokenDataset, check_compatible
 from nanopt.data.mixture import open_run_data
 from nanopt.data.output import is_dataset
@@ -181,8 +182,8 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
     Token ids mean nothing across tokenizers: a model evaluated on another tokenizer's ids gives a meaningless
     loss rather than an error, so the mismatch must be caught here.
     """
-    trained_path = run.data_dir
-    own = trained_path.resolve() == dataset.path.resolve()
+    trained_path = _trained_on(run)
+    own = trained_path is not None and trained_path.resolve() == dataset.path.resolve()
     recorded = ckpt.meta.get("tokenizer_sha256")
     if isinstance(recorded, str):
         if dataset.tokenizer_sha256 != recorded:
@@ -194,6 +195,8 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
     # A checkpoint written before nanopt recorded the tokenizer's hash: compare with the training dataset.
     if own:
         return "the run's own dataset"
+    if trained_path is None:
+        return "vocabulary size only (the run has no dataset of its own to compare with)"
     try:
         trained_on = TokenDataset.open(trained_path, verify_up_to_bytes=0)  # only its tokenizer is compared
     except DataError:
@@ -208,18 +211,25 @@ def check_same_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset
 
 def _another_tokenizer(run: RunConfig, ckpt: Checkpoint, dataset: TokenDataset, difference: str,
                        own: bool) -> DataError:
-    trained_path = run.data_dir
-    original = ckpt.tokenizer_path or trained_path / "tokenizer.json"
+    trained_path = _trained_on(run)
+    original = ckpt.tokenizer_path or (trained_path or Path("ORIGINAL")) / "tokenizer.json"
     if own:  # the training dataset's path now holds another dataset: its tokenizer.json is not the one to use
         return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on: it was "
                          f"re-made since training ({difference})",
                          f"re-create it with the run's original tokenizer.json: `nanopt tokenize SOURCE --tokenizer "
                          f"{shell_word(ckpt.tokenizer_path or 'ORIGINAL/tokenizer.json')} --out DIR`, then pass "
                          "--data DIR")
-    return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on "
-                     f"({trained_path}): {difference}",
+    trained_on = "" if trained_path is None else f" ({trained_path})"
+    return DataError(f"{dataset.path} was made with another tokenizer than {run.run_dir} was trained on"
+                     f"{trained_on}: {difference}",
                      f"tokenize the corpus with the run's tokenizer: `nanopt tokenize SOURCE --tokenizer "
                      f"{shell_word(original)} --out DIR`, then pass --data DIR")
+
+
+def _trained_on(run: RunConfig) -> Path | None:
+    """The dataset directory the run trained on, or None for an imported run that has none yet (--data then names
+    the only dataset there is)."""
+    return None if is_placeholder(run.train.data) else run.data_dir
 
 
 def token_rows(trained: TrainedModel) -> int:

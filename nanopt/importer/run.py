@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import ModelConfig, load_run
+from nanopt.config.no_data import DATA_PLACEHOLDER
 from nanopt.errors import ConfigError
 from nanopt.files import make_dir, new_dir, remove_tree, write_file
 from nanopt.importer import weights
@@ -25,8 +26,6 @@ from nanopt.model.layout import meta_model, tied_aliases
 from nanopt.parsing import path_kind
 from nanopt.rundir import RunDir
 from nanopt.train import checkpoint as ckpt
-
-DATA_PLACEHOLDER = "SET ME: a dataset made with this run's tokenizer (see _note)"
 
 
 @dataclass
