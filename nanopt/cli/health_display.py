@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from nanopt.rundir import RunDir
+from nanopt.train.health import BLOCKS_PER_WINDOW, MIN_BLOCKS
 
 
 def health_table(health: dict[str, Any], title: str) -> Table:
@@ -28,21 +29,32 @@ def health_table(health: dict[str, Any], title: str) -> Table:
 
 
 def signal_rows(signals: dict[str, Any]) -> list[tuple[str, str]]:
-    """The latest signals as (label, text) rows; nothing before the first logged step."""
+    """The latest signals as (label, text) rows; nothing before the first logged step. `nanopt train`'s table and
+    `nanopt health` both render the monitor's summary through here, so they say the same figures in the same
+    words."""
     if not signals:
         return []
     trend = signals.get("loss_trend")
     ratios = {k: v for k, v in (signals.get("update_ratio") or {}).items() if v is not None}
     clipped = signals.get("clipped_share")
-    window = f"last {signals['window_steps']:,} steps"
+    # A window reaches back window_steps from the latest step: a run stopped before it is that long has only
+    # its steps so far in it.
+    window = f"last {min(signals['window_steps'], signals['step']):,} steps"
     return [
         ("at step", f"{signals['step']:,}"),
-        (f"loss trend ({window})", "-" if trend is None else f"{trend:+.2%}"),
+        (f"loss trend ({window})", _trend(trend, signals["window_steps"])),
         ("gradient norm (before clipping)", _number(signals.get("grad_norm"), ".3f")),
         (f"gradient norm median ({window})", _number(signals.get("grad_norm_level"), ".3f")),
         (f"steps clipped ({window})", "-" if clipped is None else f"{clipped:.0%}"),
         ("update / parameter norm per step", ", ".join(f"{k} {v:.1e}" for k, v in ratios.items()) or "-"),
     ]
+
+
+def _trend(trend: float | None, window_steps: int) -> str:
+    """The fitted change of the loss, or what it waits for: MIN_BLOCKS blocks of the window with a finite loss."""
+    if trend is not None:
+        return f"{trend:+.2%}"
+    return f"- (fitted once {MIN_BLOCKS} blocks of {window_steps // BLOCKS_PER_WINDOW:,} steps hold a finite loss)"
 
 
 def _number(value: Any, spec: str) -> str:

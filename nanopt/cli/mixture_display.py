@@ -20,17 +20,21 @@ def live_sources(record: dict[str, Any]) -> str:
 
 
 def source_tables(summary: dict[str, Any]) -> list[Table]:
-    """The mixture's sources at the end of the run: weight in `data`, tokens read, epochs, latest val loss."""
+    """The mixture's sources at the end of the run: weight (one column per data phase, headed by its steps), tokens
+    read, epochs, latest val loss."""
     sources = summary.get("sources")
     if not sources:
         return []
+    phases = summary.get("data_phases") or []
+    weights = [f"weight, steps {p['first_step']:,}-{p['last_step']:,}" for p in phases] if phases else ["weight"]
     table = Table(title="data mixture: what each source gave", title_justify="left")
-    for column in ("source", "weight", "tokens", "epochs", "val loss"):
+    for column in ("source", *weights, "tokens", "epochs", "val loss"):
         table.add_column(column, justify="left" if column == "source" else "right")
     for name, figures in sources.items():
         loss = "-" if figures.get("val_loss") is None else f"{figures['val_loss']:.4f}"
-        table.add_row(escape(name), f"{figures['weight']:.3f}", fmt.count(figures["tokens"]),
-                      f"{figures['epochs']:.2f}", loss)
+        shares = [p["weights"].get(name, 0.0) for p in phases] if phases else [figures["weight"]]
+        table.add_row(escape(name), *(f"{share:.3f}" if share else "0" for share in shares),
+                      fmt.count(figures["tokens"]), f"{figures['epochs']:.2f}", loss)
     return [table]
 
 

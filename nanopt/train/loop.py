@@ -31,8 +31,16 @@ from nanopt.train.events import TrainObserver
 from nanopt.train.failures import reporting_failures
 from nanopt.train.lock import RunLock, RunLocked
 from nanopt.train.metrics import iter_metrics, write_loss_chart
-from nanopt.train.mixture_report import announce_sources, evaluate_sources, source_record, source_summary
+from nanopt.train.mixture_report import (
+    PhaseWatch,
+    announce_sources,
+    evaluate_sources,
+    source_record,
+    source_summary,
+    warn_if_data_repeats,
+)
 from nanopt.train.preemption import preemption_handler
+from nanopt.train.recompiles import CompileWatch
 from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
 from nanopt.train.resume import maybe_resume
 from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
@@ -112,7 +120,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
         session.earlier = phases.newest_per_session(iter_metrics(run.run_dir))
     _announce(session)
     if not announce_sources(session):  # a mixture tells of each source instead
-        _warn_if_data_repeats(session)
+        warn_if_data_repeats(session)
     return session
 
 
@@ -126,24 +134,6 @@ def _announce(s: Session) -> None:
         f"{s.rt.device.type} {s.rt.precision}"
         f"{' without TF32' if s.rt.device.type == 'cuda' and not s.rt.tf32 else ''}"
         f"{', compiled' if s.prepared.compiled else ''}{', FSDP' if s.prepared.fsdp else ''}; {mfu_note}")
-
-
-def _warn_if_data_repeats(s: Session) -> None:
-    """Tell the person, once per run and before its first step, that it reads its train split more than once, and
-    record it in metrics.jsonl: the event (at the step the run starts from) survives every resume, so a run
-    resumed again and again is not told again, and whoever reads the metrics later sees it. A budget raised on
-    resume (--allow-changed) reads another number of tokens, so it is said again. Rank 0 only: it alone reads and
-    writes metrics.jsonl, and no collective depends on this."""
-    epochs = s.loader.epochs_at(s.total_steps)
-    if not s.rt.is_main or epochs <= 1 or s.state.step >= s.total_steps:  # a complete run writes nothing
-        return
-    record = {"split_tokens": s.dataset.split_tokens("train"), "split_sequences": s.loader.num_windows,
-              "seq_len": s.run.seq_len, "run_tokens": s.run.total_tokens, "epochs": epochs}
-    if any(r.get("event") == "data_repeats" and r.get("run_tokens") == record["run_tokens"]
-           for r in iter_metrics(s.run.run_dir)):
-        return
-    s.metrics.write("event", step=s.state.step, event="data_repeats", **record)
-    s.observer.data_repeats(record)
 
 
 # -------------------------------------------------------------------------------------------------- loop
@@ -168,10 +158,10 @@ def loop(s: Session) -> dict[str, Any]:
     s.clock.end_setup()
     # torch.compile compiles in the first step: that step's time is setup, not training.
     first_phase = "setup" if s.prepared.compiled else "train"
-    warmed_up, watch = False, None
+    warmed_up, watch, compiles, data_phases = False, None, CompileWatch(s), PhaseWatch(s)
     try:
         while s.state.step < s.total_steps:
-            with s.clock.phase(first_phase):
+            with s.clock.phase(first_phase), compiles.step(s, new_shape=first_phase == "setup"):
                 loss, norm, stop = step(s)
             if not warmed_up:
                 _freeze_heap()
@@ -182,6 +172,7 @@ def loop(s: Session) -> dict[str, Any]:
                 window = _Window(time.perf_counter(), s.state.tokens)  # tokens/s from the checkpoint's count
                 continue
             window = maybe_log(s, loss, norm, window)
+            data_phases.after_step(s)  # before a checkpoint at this step, which then keeps its event
             paused = time.perf_counter()
             _beat(watch, s, "evaluation or checkpoint")
             _eval_keeping_the_checkpoint(s)

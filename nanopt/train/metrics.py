@@ -1,7 +1,7 @@
 """What a run records: metrics.jsonl, loss spikes, the loss-curve PNG.
 
 metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
-`{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes and resumes, and
+`{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes, resumes and the like, and
 `{"kind": "phases", ...}` for the time each session spent per phase (nanopt.train.phases). Every record carries
 `time`, the wall clock (Unix seconds) when it was written. Read back through nanopt.train.records, which skips
 any line that is not a record of the types written here.
@@ -163,7 +163,10 @@ class Thinned:
 
 # Events marked on the loss chart, each with its own line style: (label, color, line style).
 CHART_EVENTS = {"recovery": ("recovery (rolled back)", "tab:red", "--"),
-                "loss_spike": ("loss spike", "tab:orange", ":")}
+                "loss_spike": ("loss spike", "tab:orange", ":"),
+                "data_phase": ("data phase begins", "tab:green", "-.")}
+# Events whose step is the first of what they mark: drawn where that step begins, not where it ends.
+STARTS_AT_STEP = {"data_phase"}
 # Written into every PNG nanopt draws, so that a chart may be replaced and any other file never is.
 CHART_SOFTWARE = "nanopt"
 
@@ -180,8 +183,9 @@ def loss_curves(records: list[dict[str, Any]]) -> tuple[Curve, Curve]:
 
 
 def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """The tokens at which each charted event happened (a `recovery` at the step where it was decided), from the
-    tokens per step of the train records (the global batch never changes within a run)."""
+    """The tokens at which each charted event happened (a `recovery` at the step where it was decided, a data phase
+    where its first step begins), from the tokens per step of the train records (the global batch never changes
+    within a run)."""
     train = [r for r in records if r.get("kind") == "train" and r.get("step") and "tokens" in r]
     if not train:
         return {}
@@ -189,14 +193,15 @@ def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
     marks: dict[str, list[int]] = {}
     for r in records:
         if r.get("kind") == "event" and r.get("event") in CHART_EVENTS and r.get("step") is not None:
-            marks.setdefault(r["event"], []).append(round(r["step"] * tokens_per_step))
+            steps = r["step"] - (1 if r["event"] in STARTS_AT_STEP else 0)
+            marks.setdefault(r["event"], []).append(round(steps * tokens_per_step))
     return marks
 
 
 def loss_chart(run_dir: Path) -> Any:
     """The loss chart's matplotlib Figure (train and validation loss against tokens, the checkpoints' test loss as
-    crosses, recoveries and loss spikes as vertical lines), or None before the first train record. The caller saves
-    or inspects it, then closes it."""
+    crosses, recoveries, loss spikes and data phases as vertical lines), or None before the first train record. The
+    caller saves or inspects it, then closes it."""
     records = read_metrics(run_dir)
     train, val = loss_curves(records)
     if not train[0]:
