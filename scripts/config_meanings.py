@@ -69,6 +69,7 @@ TRAIN = {
     "tf32": "CUDA: fp32 matmuls on TF32 tensor cores",
     "compile": "torch.compile",
     "cuda_graphs": "one GPU: each micro-batch replayed from a CUDA graph",
+    "bf16_residual": "the residual stream between blocks in bf16, opt-in",
     "fp8": "FP8 matmuls, opt-in",
     "activation_checkpointing": "recompute block activations in backward",
     "parallelism": "how ranks split the model and optimizer state under torchrun",
@@ -295,6 +296,12 @@ TRAIN_DETAILS = [
         the host's launch gaps between kernels; the arithmetic is the same. Captured again for a new micro-batch
         shape (a sequence-length stage). Refused in one line on the CPU, with more than one rank and in fp16. Off
         until a GPU window measures what it gains (bench/RESULTS.md)
+        """),
+    (('bf16_residual',), 'false', """
+        The residual stream between blocks kept in bf16 instead of fp32 (the norms still compute in fp32): less
+        activation memory and traffic, each residual addition rounded to bf16, so it changes the numerics and is
+        opt-in. Needs `precision` bf16 (one line otherwise). Weights, checkpoints and exports are the same either
+        way; changing it on resume needs `--allow-changed`
         """),
     (('fp8',), '`off`', """
         FP8 matmuls, opt-in (see [FP8](fp8-and-muon.md#fp8)): `head` (the output head's GEMMs inside the loss,

@@ -29,7 +29,8 @@ COMMIT = "c0ffee1"
 WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", "memory:llama-1b",
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",
              "resume:gpt2-small", "fp8:gpt2-small", "profile:llama-1b", "gpt2-small:micro64", "muon:gpt2-small",
-             "health:gpt2-small", "muon-step:gpt2-small", "find-batch-compiled:gpt2-small", "llama-1b:fp8")
+             "health:gpt2-small", "muon-step:gpt2-small", "find-batch-compiled:gpt2-small", "llama-1b:fp8",
+             "gpt2-small:stacked", "gpt2-small:graphs", "residual:gpt2-small")
 OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "profile_llama.json",
              "gpu_tests.txt"}
 MAX_OUT_FILES = 8  # what comes back from the GPU machine
@@ -261,3 +262,10 @@ def test_stacked_compares_both_sides_and_graphs_records_its_refusal_on_the_cpu(s
     assert launched and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in launched)
     comparisons = [r for r in graphs if r["side"] == "comparison"]
     assert comparisons and all("speedup" not in r and "graphed refused" in r["status"] for r in comparisons)
+
+
+def test_residual_trains_the_fp32_stream_and_records_the_bf16_refusal_on_the_cpu(smoke):
+    fp32, bf16 = _by_workload(smoke.records)["residual:gpt2-small"]
+    assert (fp32["side"], bf16["side"]) == ("false", "true")
+    assert fp32["status"] == "ok" and fp32["tokens_per_s"] > 0 and "--set bf16_residual=false" in fp32["command"]
+    assert bf16["status"].startswith("skipped: nanopt refused it: runs/gpt2-small/train.json: key 'bf16_residual'")

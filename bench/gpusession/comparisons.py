@@ -1,7 +1,8 @@
 """Side-by-side `nanopt train` runs of GPT-2 small at the session's shape, the same seed, data and steps for every side:
-FP8 against bf16 (train.json `fp8`: off, head, all), Muon against AdamW (`optimizer`), each at its configured learning
-rate. Each side's record is written as soon as it has trained, the comparison with the reference side (off, adamw)
-in the record of the side compared; a side this machine cannot run is a `skipped: ...` record, not a failure.
+FP8 against bf16 (train.json `fp8`: off, head, all), the residual stream in bf16 against fp32 (`bf16_residual`),
+Muon against AdamW (`optimizer`), each at its configured learning rate. Each side's record is written as soon as it
+has trained, the comparison with the reference side (off, false, adamw) in the record of the side compared; a side
+this machine cannot run is a `skipped: ...` record, not a failure.
 """
 
 from __future__ import annotations
@@ -61,41 +62,55 @@ def step_fp8(ctx: Context) -> None:
     tolerance. `all` needs torchao: without it, `skipped: torchao not installed`; a mode nanopt refuses on this
     machine (every FP8 mode on the CPU, where the smoke run shows the refusal is recorded) is `skipped: nanopt
     refused it: <its line>`."""
+    skipped = {} if torchao_installed() else {"all": "skipped: torchao not installed"}
+    _sweep(ctx, "fp8", "fp8", FP8_MODES, skipped)
+
+
+def step_residual(ctx: Context) -> None:
+    """The residual stream in fp32 (the default) and in bf16 (train.json bf16_residual), compiled, `STEPS` steps
+    each: the bf16 side's `speedup` and its loss curve against the fp32 stream's with the bf16 tolerance, which
+    decides whether the setting is offered. Refused outside bf16 (the CPU of a smoke run): `skipped: ...`."""
+    _sweep(ctx, "residual", "bf16_residual", ("false", "true"), {})
+
+
+def _sweep(ctx: Context, name: str, key: str, values: tuple[str, ...], skipped: dict[str, str]) -> None:
+    """`nanopt train` of GPT-2 small once per value of train.json's `key`, the first the reference the others are
+    compared with (speed, and the loss curve within the bf16 tolerance)."""
     steps = _steps(ctx)
+    workload = f"{name}:gpt2-small"
     common = [*short_run_settings(ctx, steps), "compile=true"]
     reference: Trained | None = None
     failed = []
-    for mode in FP8_MODES:
-        settings = [*common, f"fp8={mode}"]
-        if mode == "all" and not torchao_installed():
-            record = _record(ctx, "fp8:gpt2-small", "nanopt train runs/gpt2-small --set fp8=all ...", mode, steps)
-            record["status"] = "skipped: torchao not installed"
+    for value in values:
+        if value in skipped:
+            record = _record(ctx, workload, f"nanopt train runs/gpt2-small --set {key}={value} ...", value, steps)
+            record["status"] = skipped[value]
             append_record(ctx.out, record)
             continue
-        trained = train_copy(ctx, f"fp8-{mode}", settings, f"fp8:{mode}", check=False)
-        record = _record(ctx, "fp8:gpt2-small", trained.command, mode, steps)
-        if trained.code == REFUSED and mode != "off":
+        trained = train_copy(ctx, f"{name}-{value}", [*common, f"{key}={value}"], f"{name}:{value}", check=False)
+        record = _record(ctx, workload, trained.command, value, steps)
+        if trained.code == REFUSED and value != values[0]:
             record["status"] = f"skipped: nanopt refused it: {_refusal(trained)}"
         elif trained.code != 0:
             record["status"] = f"failed (exit {trained.code})"
-            failed.append(mode)
+            failed.append(value)
         else:
             record.update(trained.fields())
-            if mode == "off":
+            if value == values[0]:
                 reference = trained
             elif reference is not None:
-                record.update(_against(trained, reference))
+                record.update(_against(trained, reference, values[0]))
         append_record(ctx.out, record)
     if failed:
-        raise SystemExit(f"fp8: {', '.join(failed)} failed")
+        raise SystemExit(f"{name}: {', '.join(failed)} failed")
 
 
-def _against(trained: Trained, reference: Trained) -> dict[str, Any]:
-    """An FP8 side against fp8 off: speed, and the loss curve within the bf16 tolerance (training.compare_curves)."""
+def _against(trained: Trained, reference: Trained, reference_name: str) -> dict[str, Any]:
+    """A side against the reference: speed, and the loss curve within the bf16 tolerance (training.compare_curves)."""
     ours, theirs = trained.fields(), reference.fields()
     curves = compare_curves(train_losses(trained.run), train_losses(reference.run))
     fields = {key: curves.get(key) for key in CURVE_KEYS}
-    fields.update(reference="off", speedup=_ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
+    fields.update(reference=reference_name, speedup=_ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
                   status="ok" if curves["within_tolerance"] else "outside tolerance")
     return fields
 

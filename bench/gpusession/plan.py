@@ -101,6 +101,9 @@ STEPS = (
     # throughput-gpt2's shape and rounds. Both sides compile the same graph: cold for the first, a cache hit for the
     # second; the graph side's capture (two warm-up micro-steps and the capture) counts as its measuring work.
     Step("graphs-gpt2", ("gpt2-small:graphs",), ("cold", "cached"), 36, 60),
+    # `nanopt train` of GPT-2 small with the residual stream in fp32 (a cache hit of the session's graph) and in bf16
+    # (train.json bf16_residual: a graph of its own), 100 steps each, as the fp8 step trains its sides.
+    Step("residual", ("residual:gpt2-small",), ("cached", "cold"), 32, 40, needs_data=True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -116,6 +119,8 @@ PLANS = {
     "next": ("preflight", "data", "throughput-llama", "throughput-llama-fp8", "graphs-gpt2", "gpu-tests"),
     # Stacked q/k/v (and the 1B's gate/up) against separate GEMMs, and the 1B's profile, for a second call.
     "stacked": ("preflight", "stacked-gpt2", "stacked-llama", "profile-llama", "gpu-tests"),
+    # What changes the numerics, for a third call: the bf16 residual stream against fp32, then FP8 on GPT-2.
+    "numerics": ("preflight", "data", "residual", "fp8", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpusession.comparisons import step_fp8, step_muon
+from gpusession.comparisons import step_fp8, step_muon, step_residual
 from gpusession.find_batch import step_find_batch, step_find_batch_compiled
 from gpusession.gputests import step_gpu_tests
 from gpusession.health import step_health
@@ -44,6 +44,8 @@ WORKERS: dict[str, Callable[[Context], None]] = {
                                               accum_cap=16, timed_micro=32, rounds=2),
     "stacked-llama": lambda ctx: step_variants(ctx, "stacked", "llama-1b:stacked", "llama-1b", wanted_micro=8,
                                                accum_cap=8, timed_micro=16, rounds=1),
+    # The residual stream in bf16 against fp32: speed, and the loss curve within the bf16 tolerance.
+    "residual": step_residual,
     # Each micro-batch replayed from a CUDA graph against launched kernel by kernel, at GPT-2's preset cadence.
     "graphs-gpt2": lambda ctx: step_variants(ctx, "graphs", "gpt2-small:graphs", "gpt2-small", wanted_micro=32,
                                              accum_cap=16, timed_micro=32, rounds=2),

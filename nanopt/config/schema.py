@@ -86,6 +86,9 @@ class TrainConfig:
     # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once (nanopt.train.
     # graphed_step), which removes the host's launch gaps between kernels. Off until a GPU window measures it.
     cuda_graphs: bool = False
+    # bf16: the residual stream between blocks kept in bf16 instead of fp32 (norms still compute in fp32): less
+    # memory and traffic, each residual addition rounded to bf16. Changes the numerics: opt-in.
+    bf16_residual: bool = False
     # FP8 matmuls (GPUs with FP8 tensor cores, bf16): "head", the output head in the loss; "all", also the blocks'
     # larger linear layers through torchao (nanopt.train.fp8). Weights and checkpoints are the same either way.
     fp8: Fp8Mode = "off"

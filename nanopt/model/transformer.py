@@ -289,6 +289,10 @@ class Transformer(nn.Module):
         # The output head's training GEMMs in FP8 (nanopt.model.fp8): None (the autocast dtype), "scaled_mm" (set by
         # nanopt.train.fp8 on a GPU with FP8), or "emulate" (tests). No parameter or state-dict key changes.
         self.head_fp8: HeadMode | None = None
+        # The residual stream's dtype between blocks: None keeps what autocast gives (fp32, the embeddings' dtype,
+        # which each block's bf16 output is added into); torch.bfloat16 halves the stream's memory and traffic
+        # at the cost of rounding each addition (train.json bf16_residual). Norms compute in fp32 either way.
+        self.residual_dtype: torch.dtype | None = None
         self.init_weights()
 
     @torch.no_grad()
@@ -368,6 +372,8 @@ class Transformer(nn.Module):
             x = x + self.embed_positions.weight[positions]
         else:
             rope = rope_at(self.rope_cos, self.rope_sin, positions)
+        if self.residual_dtype is not None:
+            x = x.to(self.residual_dtype)
         for layer in self.layers:
             x = layer(x, rope, kv_cache, mask)
         if kv_cache is not None:

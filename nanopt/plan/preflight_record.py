@@ -66,9 +66,10 @@ FORMAT_VERSION = 1
 
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
 SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
-                  "activation_checkpointing", "parallelism", "fp8", "seq_len_stages", "cuda_graphs")
+                  "activation_checkpointing", "parallelism", "fp8", "seq_len_stages", "cuda_graphs",
+                  "bf16_residual")
 # What a fingerprint written before a setting existed meant by leaving it out.
-_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None, "cuda_graphs": False}
+_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None, "cuda_graphs": False, "bf16_residual": False}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -78,7 +79,8 @@ def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
                 "global_batch_tokens": train.global_batch_tokens, "precision": train.precision, "tf32": train.tf32,
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
                 "parallelism": train.parallelism, "fp8": train.fp8, "seq_len_stages": train.seq_len_stages,
-                "cuda_graphs": train.cuda_graphs, "world_size": world_size}
+                "cuda_graphs": train.cuda_graphs, "bf16_residual": train.bf16_residual,
+                "world_size": world_size}
     return json.loads(json.dumps(settings))
 
 

@@ -39,6 +39,7 @@ from nanopt.train.graphed_step import GraphedMicroStep
 from nanopt.train.lowbit import is_adamw8bit, plain_state, quantized_state
 from nanopt.train.optim import MuonWithAdamW, optimizers_of
 from nanopt.train.recompute import apply_activation_checkpointing
+from nanopt.train.residual import residual_dtype
 from nanopt.train.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -84,6 +85,7 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     # FP8 layers before FSDP2 (its FP8 all-gather) and compile; checked at session start (nanopt.train.fp8). The FP8
     # all-gather only where FSDP2 keeps the weights on the GPU (fsdp, zero2); offload's gather stays bf16 (untested).
     apply_fp8(model, cfg.fp8, rt.world_size if cfg.parallelism in ("fsdp", "zero2") else 1)
+    model.residual_dtype = residual_dtype(cfg.bf16_residual)  # checked at session start (nanopt.train.residual)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     compiled = resolve_compile(cfg.compile, rt.device)
     if cfg.parallelism in FSDP2_CHOICES and rt.distributed:

@@ -23,6 +23,7 @@ from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
 from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
+from nanopt.train.residual import check_bf16_residual
 from nanopt.train.scaling import new_scaler
 from nanopt.train.shape_schedule import run_flops_per_token
 from nanopt.train.sinks import build_sinks, check_sink_packages
@@ -114,6 +115,7 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     check_model_fits(run, rt)
     check_fp8(run, rt.device, rt.precision, resolve_compile(run.train.compile, rt.device))
     check_cuda_graphs(run, rt.device, rt.precision, rt.world_size)
+    check_bf16_residual(run, rt.precision)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)
