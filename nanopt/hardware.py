@@ -1,5 +1,6 @@
 """Accelerators nanopt knows: dense peak throughput, memory and a typical on-demand price; and this machine's CPU
-(its peak worked out from cores, clock and vector units, its memory) for `nanopt estimate --gpu cpu`.
+(its peak worked out from cores, clock and vector units, its memory) for `nanopt estimate --gpu cpu`, and the cores
+a process may use and how busy other work keeps them (from which nanopt.runtime chooses torch's CPU threads).
 
 Peaks are the vendors' dense (non-sparse) tensor-core figures with fp32 accumulation, per GPU. MFU is always
 computed against the peak of the dtype the run uses; sparsity figures are never used. Prices are typical
@@ -8,7 +9,9 @@ on-demand cloud rates in late 2026 and only a default: pass --price-per-hour for
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,10 +215,14 @@ def cpu_peak(cpuinfo: Path = Path("/proc/cpuinfo")) -> CPUPeak | None:
     mhz = (frequency.max or frequency.current) if frequency else float(fields.get("cpu mhz") or 0)
     if match is None or not mhz:
         return None
-    # Physical cores (two hardware threads share one core's units), no more than this process may run on.
+    # Physical cores (two hardware threads share one core's units), no more than this process may run on, nor than
+    # its container's CPU quota allows.
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     if hasattr(os, "sched_getaffinity"):
         cores = min(cores, len(os.sched_getaffinity(0)))
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
     return CPUPeak(cores=cores, ghz=mhz / 1000, flops_per_cycle=match[1], units=match[2])
 
 
@@ -232,3 +239,136 @@ def machine_memory_bytes() -> int:
         if text.isdigit():  # v2 writes "max" for no limit
             total = min(total, int(text))
     return total
+
+
+# ------------------------------------------------------------------------- the cores a process may use, and how busy
+
+@dataclass(frozen=True)
+class CPUCores:
+    """The cores a process may run its threads on: the logical CPUs of its affinity mask (taskset, a container's
+    cpuset), the physical cores among them, and the container's CPU quota (cgroup), in CPUs, where it has one."""
+
+    cpus: frozenset[int]
+    physical: int  # two hardware threads of one core share its vector units: torch's default counts cores
+    quota: float | None  # e.g. 1.5 for `docker run --cpus 1.5`; None: no quota (or none readable)
+    machine: int  # the machine's logical CPUs, for the start-up line
+
+    @property
+    def usable(self) -> int:
+        """How many threads these cores run at full speed: the physical cores, and no more than the quota's whole
+        CPUs (a thread past the quota is throttled for the rest of each period, and its partners wait for it)."""
+        cores = max(1, self.physical)
+        if self.quota is not None:
+            cores = min(cores, max(1, math.floor(self.quota)))
+        return cores
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD", or "max PERIOD" for no quota
+CGROUP_V1_CPU = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_cores(cpu_max: Path = CGROUP_CPU_MAX, cfs: tuple[Path, Path] = CGROUP_V1_CPU,
+              topology: Path = CPU_TOPOLOGY) -> CPUCores:
+    """The cores this process may use (see CPUCores). Never raises: what cannot be read is left out."""
+    machine = os.cpu_count() or 1
+    cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(machine))
+    return CPUCores(cpus=cpus, physical=physical_cores(cpus, topology), quota=cpu_quota(cpu_max, cfs),
+                    machine=machine)
+
+
+def cpu_quota(cpu_max: Path = CGROUP_CPU_MAX, cfs: tuple[Path, Path] = CGROUP_V1_CPU) -> float | None:
+    """The CPUs the container's quota allows (quota / period: 1.5 for `--cpus 1.5`), from cgroup v2's cpu.max, else
+    v1's cfs_quota_us and cfs_period_us; None where there is no quota ("max", -1), or no file, or one that does not
+    read as two positive numbers."""
+    text = _read(cpu_max)
+    if text is not None:
+        fields = text.split()
+        return _ratio(fields[0], fields[1]) if len(fields) == 2 else None
+    quota, period = (_read(path) for path in cfs)
+    return _ratio(quota, period) if quota is not None and period is not None else None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        value = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):  # "max" (v2) or garbage
+        return None
+    return value if value > 0 else None  # v1 writes -1 for no quota
+
+
+def physical_cores(cpus: frozenset[int], topology: Path = CPU_TOPOLOGY) -> int:
+    """The physical cores among logical CPUs `cpus` (distinct package and core ids in sysfs); len(cpus) where sysfs
+    does not say for every one of them."""
+    cores = set()
+    for cpu in cpus:
+        package, core = (_read(topology / f"cpu{cpu}" / "topology" / name)
+                         for name in ("physical_package_id", "core_id"))
+        if package is None or core is None:
+            return len(cpus)
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def cpu_ticks(cpus: frozenset[int], stat: Path = PROC_STAT) -> tuple[int, int] | None:
+    """(busy, total) clock ticks that logical CPUs `cpus` have spent since boot, from /proc/stat's per-CPU lines:
+    busy is all but idle and iowait (steal, time the hypervisor gave other machines, is busy). None where the file
+    cannot be read, or a CPU of `cpus` has no line of numbers."""
+    text = _read(stat)
+    if text is None:
+        return None
+    found: dict[int, tuple[int, int]] = {}
+    for line in text.splitlines():
+        name, _, values = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        try:
+            # user nice system idle iowait irq softirq steal (guest and guest_nice are inside user and nice)
+            ticks = [int(v) for v in values.split()[:8]]
+        except ValueError:
+            return None
+        if len(ticks) < 5:
+            return None
+        total = sum(ticks)
+        found[int(name[3:])] = (total - ticks[3] - ticks[4], total)
+    if set(found) != set(cpus):
+        return None
+    return sum(busy for busy, _ in found.values()), sum(total for _, total in found.values())
+
+
+def other_work(cpus: frozenset[int], seconds: float = 0.25, stat: Path = PROC_STAT) -> float | None:
+    """How many of logical CPUs `cpus` other work keeps busy, in CPUs (1.0: one CPU's worth), over a sample of
+    `seconds`; None where /proc/stat cannot be read. See busy_elsewhere."""
+    before, own_before = cpu_ticks(cpus, stat), _own_cpu_seconds()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after, own = cpu_ticks(cpus, stat), _own_cpu_seconds() - own_before
+    if after is None:
+        return None
+    return busy_elsewhere(before, after, own, len(cpus), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def busy_elsewhere(before: tuple[int, int], after: tuple[int, int], own_s: float, cpus: int,
+                   ticks_per_s: float) -> float | None:
+    """From two (busy, total) readings of `cpus` CPUs (cpu_ticks), the CPUs' worth of work other than this
+    process's own `own_s` CPU-seconds (all its threads) between them; None when the readings say nothing (no tick
+    passed, or a counter went back)."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0 or busy < 0:
+        return None
+    others = max(0.0, busy - own_s * ticks_per_s)
+    return min(float(cpus), cpus * others / total)
+
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace").strip()
+    except (OSError, ValueError):
+        return None

@@ -156,6 +156,11 @@ def _say_failures(r: dict[str, Any]) -> None:
 
 def render(r: dict[str, Any]) -> None:
     out = console()
+    threads = r["device"].get("cpu_threads")
+    if threads:  # what measured the step on a CPU: training chooses the same way at its start
+        count = threads["threads"]
+        out.print(escape(f"CPU: {count} thread{'s' if count != 1 else ''}"
+                         f"{' per rank' if threads.get('ranks', 1) > 1 else ''} ({threads['reason']})"))
     out.print(_comparison_table(r))
     out.print(_measured_table(r))
     out.print(_projection_table(r))

@@ -78,6 +78,8 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
     try:
         measured = _measure(run, rt, opts, billed_from + searching_s, micro_batch, on_progress or _silent)
         report = build_report(run, rt, opts.price_per_hour, measured)
+        if rt.cpu_threads is not None:  # on the CPU the threads decide the step time measured: how many, and why
+            report["device"]["cpu_threads"] = rt.cpu_threads.record()
         if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixture_plan)
             from nanopt.data.mixture_plan import plan_records
 

@@ -19,7 +19,7 @@ from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import health_watch, phases
+from nanopt.train import health_watch, pace, phases
 from nanopt.train.downstream import (
     downstream_advice,
     run_downstream,
@@ -119,6 +119,7 @@ def setup(run: RunConfig, rt: Any, opts: TrainOptions, observer: TrainObserver |
     if rt.is_main:  # after the resume, which drops the records of steps it will run again but never phase records
         session.earlier = phases.newest_per_session(iter_metrics(run.run_dir))
     _announce(session)
+    pace.announce(session)  # the CPU's threads, after the start-up line (a resume's errors come before both)
     if not announce_sources(session):  # a mixture tells of each source instead
         warn_if_data_repeats(session)
     return session
@@ -277,6 +278,7 @@ def maybe_log(s: Session, loss: float, norm: float, window: _Window) -> _Window:
     health_watch.on_log(s, record)  # its fields, and any verdict they newly show
     s.metrics.write("train", **record)
     s.observer.log(record, s.total_steps)
+    pace.after_log(s, record, elapsed)
     return _Window(now, st.tokens)
 
 

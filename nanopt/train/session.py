@@ -21,6 +21,7 @@ from nanopt.train.fp8 import check_fp8
 from nanopt.train.graphed_step import check_cuda_graphs
 from nanopt.train.metrics import MetricsLog, SpikeMonitor
 from nanopt.train.optim import build_optimizer
+from nanopt.train.pace import SlowdownWatch
 from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
 from nanopt.train.phases import EvalShareWatch, PhaseClock
 from nanopt.train.residual import check_bf16_residual
@@ -74,6 +75,8 @@ class Session:
     health: Any = None  # nanopt.train.health.HealthMonitor, set by the training loop when train.json `health` is on
     health_probe: Any = None  # nanopt.train.health_probe.HealthProbe, likewise
     health_signals: dict[str, Any] = field(default_factory=dict)  # the probe's last log step's fields
+    # The pace of the log windows, to say once when other work has taken the machine (nanopt.train.pace).
+    slowdown: SlowdownWatch = field(default_factory=SlowdownWatch)
 
     @property
     def state(self) -> Counters:
