@@ -21,6 +21,11 @@ from nanopt.model.memory_loss import loss_buffer_bytes, loss_bytes_per_token, lo
 # model counts (the four eager peaks of bench/gpusession's memory step); the calibration in `nanopt find-batch`
 # reports the error of this model.
 RUNTIME_OVERHEAD_BYTES = 1 << 30
+# A CPU training process's resident memory beside the tensors the model counts: torch, nanopt and their libraries
+# (309 MiB after the imports, torch 2.13's CPU wheel) and what the first steps add (allocator arenas, thread stacks,
+# the dataset's mapped pages). Measured peaks, `nanopt train` in a process of its own: 390 MiB for a 35k-parameter
+# run (its tensors a few MiB), 466 MiB for a 197k-parameter plan whose tensors the model puts at 74 MiB.
+CPU_RUNTIME_OVERHEAD_BYTES = 384 << 20
 
 
 @dataclass(frozen=True)
@@ -312,6 +317,7 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     # a checkpointed block (every one under "selective") keeps no stacked weight copy for backward
     uncheckpointed = cfg.num_hidden_layers - len(checkpointed_blocks(activation_checkpointing, cfg.num_hidden_layers))
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
+                               runtime_overhead=RUNTIME_OVERHEAD_BYTES if cuda else CPU_RUNTIME_OVERHEAD_BYTES,
                                weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism, stacked,
                                                                uncheckpointed),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
