@@ -30,7 +30,7 @@ WORKLOADS = ("preflight", "tokenize:stdlib", "gpt2-small", "memory:gpt2-small", 
              "find-batch:gpt2-small", "bf16-vs-fp32:gpt2-small", "profile:gpt2-small", "gpu-tests", "llama-1b",
              "resume:gpt2-small", "fp8:gpt2-small", "profile:llama-1b", "gpt2-small:micro64", "muon:gpt2-small",
              "health:gpt2-small", "muon-step:gpt2-small", "find-batch-compiled:gpt2-small", "llama-1b:fp8",
-             "gpt2-small:stacked", "gpt2-small:graphs", "residual:gpt2-small")
+             "gpt2-small:stacked", "gpt2-small:graphs", "residual:gpt2-small", "plan:gpt2")
 OUT_FILES = {"results.jsonl", "session.log", "env.txt", "find_batch.json", "profile.json", "profile_llama.json",
              "gpu_tests.txt"}
 MAX_OUT_FILES = 8  # what comes back from the GPU machine
@@ -125,7 +125,9 @@ def test_every_record_is_printed_on_stdout_and_summarized_at_the_end(smoke):
     assert f"ratio={comparison['ratio']:.4g}" in stdout  # a figure, not only a status, reaches stdout
     summary = stdout[stdout.index("= summary ="):]
     assert all(f"\n{step:18s} ok" in summary for step in PLANS["all"]), summary
-    assert len(summary) < 8000  # with room in the 12,000 characters of stdout that come back
+    # With room in the 12,000 characters of stdout that come back. This is the smoke's plan "all", every step; a
+    # window's plan runs about half of them, so its summary is shorter still.
+    assert len(summary) < 9000
     # Each comparison is in the summary (each side's best round); the rounds themselves only in the R lines.
     comparisons = [r for r in smoke.records if r.get("side") == "comparison"]
     assert comparisons and all("  " + headline(r)[:220] in summary for r in comparisons)
@@ -269,3 +271,12 @@ def test_residual_trains_the_fp32_stream_and_records_the_bf16_refusal_on_the_cpu
     assert (fp32["side"], bf16["side"]) == ("false", "true")
     assert fp32["status"] == "ok" and fp32["tokens_per_s"] > 0 and "--set bf16_residual=false" in fp32["command"]
     assert bf16["status"].startswith("skipped: nanopt refused it: runs/gpt2-small/train.json: key 'bf16_residual'")
+
+
+def test_a_plan_is_trained_and_its_prediction_set_beside_what_it_measured(smoke):
+    [planned] = _by_workload(smoke.records)["plan:gpt2"]
+    assert planned["status"] == "ok" and planned["command"].startswith("nanopt plan --budget 1min --gpu cpu")
+    assert "--data data/stdlib" in planned["command"] and "nanopt train runs/planned" in planned["command"]
+    assert planned["params"] > 0 and planned["micro_batch"] >= 1 and planned["assumed_mfu"] == 0.4
+    assert planned["step_ratio"] == pytest.approx(planned["measured_step_s"] / planned["predicted_step_s"])
+    assert planned["peak_ratio"] > 0 and planned["measured_peak_gib"] > 0

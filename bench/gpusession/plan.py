@@ -104,6 +104,9 @@ STEPS = (
     # `nanopt train` of GPT-2 small with the residual stream in fp32 (a cache hit of the session's graph) and in bf16
     # (train.json bf16_residual: a graph of its own), 100 steps each, as the fp8 step trains its sides.
     Step("residual", ("residual:gpt2-small",), ("cached", "cold"), 32, 40, needs_data=True),
+    # `nanopt plan` of a 2e18-FLOP budget for GPT-2 on this card (about GPT-2 small), trained 30 steps at the plan's
+    # batch: its predicted step time and peak memory against measured. A graph of the plan's own shape, cold.
+    Step("plan-gpt2", ("plan:gpt2",), ("cold",), 45, 40, needs_data=True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -119,8 +122,9 @@ PLANS = {
     "next": ("preflight", "data", "throughput-llama", "throughput-llama-fp8", "graphs-gpt2", "gpu-tests"),
     # Stacked q/k/v (and the 1B's gate/up) against separate GEMMs, and the 1B's profile, for a second call.
     "stacked": ("preflight", "stacked-gpt2", "stacked-llama", "profile-llama", "gpu-tests"),
-    # What changes the numerics, for a third call: the bf16 residual stream against fp32, then FP8 on GPT-2.
-    "numerics": ("preflight", "data", "residual", "fp8", "gpu-tests"),
+    # For a third call: a budget plan's prediction against its measured step, then what changes the numerics
+    # (the bf16 residual stream against fp32, FP8 on GPT-2 small).
+    "plan-and-numerics": ("preflight", "data", "plan-gpt2", "residual", "fp8", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

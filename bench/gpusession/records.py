@@ -192,10 +192,13 @@ HEADLINE_KEYS = ("matmul_tflops", "compiled_step_s", "sdpa", "side", "baseline",
                  "late_rel_diff", "within_tolerance", "max_abs_diff_after_resume", "first_step_diff",
                  "nondeterminism_floor", "passed", "failed",
                  "speedup", "late_mean_loss", "loss_diff", "speed_ratio", "on_off_ratio", "health_share",
-                 "idle_share", "cpu_overhead_share", "graphs", "budget_s")
+                 "idle_share", "cpu_overhead_share", "graphs", "budget_s", "step_ratio", "peak_ratio")
+STATUS_CHARS = 60  # of a record's status in the summary's figures
 
 
 def headline(record: dict[str, Any]) -> str:
     """The figures of a record that a reader of the summary needs, in one short line."""
     fields = [f"{key}={_short(record[key])}" for key in HEADLINE_KEYS if record.get(key) is not None]
-    return f"{record.get('workload', '?'):26s} {record.get('status', '?'):10s} " + " ".join(fields)
+    status = str(record.get("status", "?"))  # a refusal's whole line is in the R line and results.jsonl
+    status = status if len(status) <= STATUS_CHARS else status[:STATUS_CHARS - 3] + "..."
+    return f"{record.get('workload', '?'):26s} {status:10s} " + " ".join(fields)

@@ -8,6 +8,7 @@ from gpusession.comparisons import step_fp8, step_muon, step_residual
 from gpusession.find_batch import step_find_batch, step_find_batch_compiled
 from gpusession.gputests import step_gpu_tests
 from gpusession.health import step_health
+from gpusession.planned import step_plan
 from gpusession.preflight import step_data, step_preflight
 from gpusession.records import Context
 from gpusession.throughput import step_memory, step_throughput, step_throughput_fp8
@@ -44,6 +45,8 @@ WORKERS: dict[str, Callable[[Context], None]] = {
                                               accum_cap=16, timed_micro=32, rounds=2),
     "stacked-llama": lambda ctx: step_variants(ctx, "stacked", "llama-1b:stacked", "llama-1b", wanted_micro=8,
                                                accum_cap=8, timed_micro=16, rounds=1),
+    # A budget plan for the GPT-2 family on this card, trained a few dozen steps: predicted against measured.
+    "plan-gpt2": step_plan,
     # The residual stream in bf16 against fp32: speed, and the loss curve within the bf16 tolerance.
     "residual": step_residual,
     # Each micro-batch replayed from a CUDA graph against launched kernel by kernel, at GPT-2's preset cadence.
