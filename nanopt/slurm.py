@@ -7,8 +7,10 @@ Two ways to run under `srun`, told apart by the tasks per node:
 - one task per GPU (`--ntasks-per-node G`): each task is one rank, its place from SLURM's task ids, and it joins
   the process group at the first node as torch.distributed's env:// does (MASTER_ADDR, MASTER_PORT).
 
-Read only when both SLURM_JOB_ID and SLURM_PROCID are set: the batch script itself, or an `salloc` shell, has the
-job's variables but is no task, and a nanopt started there runs as anywhere else.
+Read only in a task of srun, which has a step id (SLURM_STEP_ID) besides its job's: the batch script itself, or an
+`salloc` shell, has the job's variables (the batch script SLURM_PROCID=0 too) but is no task, and a nanopt started
+there runs as anywhere else. The nodes and tasks are the step's (SLURM_STEP_*), which may be fewer than the job's:
+`srun --ntasks 1` in a job of 8 tasks per node is one rank.
 """
 
 from __future__ import annotations
@@ -73,28 +75,37 @@ class SlurmJob:
     proc_id: int  # SLURM_PROCID: this task's place among all tasks
     local_id: int  # SLURM_LOCALID: this task's place on its node
     ntasks: int
-    tasks_per_node: str  # SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE's compact form, e.g. "2(x3)"
+    tasks_per_node: str  # SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE's compact form, e.g. "2(x3)"
     gpus_on_node: int  # SLURM_GPUS_ON_NODE; 0 without GPUs
     port: int
 
 
 def slurm_job(environ: Mapping[str, str]) -> SlurmJob | None:
     """This task's job, or None outside a task of srun."""
-    if not (environ.get("SLURM_JOB_ID") and environ.get("SLURM_PROCID")):
+    step_id = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    if not (environ.get("SLURM_JOB_ID") and environ.get("SLURM_PROCID") and step_id):
         return None
     job_id = environ["SLURM_JOB_ID"]
-    hosts = expand_hostlist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", ""))
-    nnodes = _number(environ, "SLURM_JOB_NUM_NODES", str(len(hosts)))
+    list_name = _first_set(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    hosts = expand_hostlist(environ.get(list_name, ""))
+    count_name = _first_set(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES")
+    nnodes = _number(environ, count_name, str(len(hosts)))
     if nnodes != len(hosts):
-        raise ConfigError(f"SLURM_JOB_NUM_NODES says {nnodes} nodes and SLURM_JOB_NODELIST names {len(hosts)}",
+        raise ConfigError(f"{count_name} says {nnodes} nodes and {list_name} names {len(hosts)}",
                           "run under sbatch / srun, which set both, or unset the SLURM_* variables")
     default_port = PORT_BASE + int(job_id) % PORT_SPAN if job_id.isdigit() else PORT_BASE
+    # SLURM_NTASKS_PER_NODE last: it is the job's --ntasks-per-node, which a step of fewer tasks inherits unchanged
+    per_node = _first_set(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
     return SlurmJob(job_id=job_id, hosts=tuple(hosts), node_id=_number(environ, "SLURM_NODEID", "0"),
                     proc_id=_number(environ, "SLURM_PROCID", "0"), local_id=_number(environ, "SLURM_LOCALID", "0"),
-                    ntasks=_number(environ, "SLURM_NTASKS", str(nnodes)),
-                    tasks_per_node=environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", ""),
-                    gpus_on_node=_number(environ, "SLURM_GPUS_ON_NODE", "0"),
+                    ntasks=_number(environ, _first_set(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), str(nnodes)),
+                    tasks_per_node=environ.get(per_node, ""), gpus_on_node=_number(environ, "SLURM_GPUS_ON_NODE", "0"),
                     port=_number(environ, "MASTER_PORT", str(default_port)))
+
+
+def _first_set(environ: Mapping[str, str], *names: str) -> str:
+    """The first of `names` set (to something), else the last: the one a message names."""
+    return next((name for name in names if environ.get(name)), names[-1])
 
 
 def _number(environ: Mapping[str, str], name: str, default: str) -> int:

@@ -2,13 +2,21 @@
 
 How a piece ends, and what the script does then (nanopt's exit statuses, nanopt.cli.launch):
 - some minutes before the time limit SLURM sends USR1 to the script alone (`--signal=B:USR1@LEAD`), which passes
-  SIGTERM on to the ranks through srun; they finish the step, save one checkpoint and exit 75 (STOPPED_EARLY). A
-  SIGTERM from SLURM (preemption, scancel) reaches them the same way;
+  USR1 on to the ranks through srun; they finish the step, save one checkpoint and exit 75 (STOPPED_EARLY). Not
+  SIGTERM: srun answers a SIGTERM by killing the tasks (SIGKILL), with no time to save;
+- SLURM ending the job itself (scancel, `scontrol requeue`, a preemption, the time limit) sends SIGTERM to every
+  process of the job, the ranks included, which save and exit 75 the same way within KillWait; the script then
+  leaves the job to SLURM, which requeues it or not as it was asked (a requeue from the script would bring back a
+  job the user cancelled);
 - 75: the run is unfinished and its state saved: the script requeues the job (`scontrol requeue`), which starts
   again, under the same job id and into the same log, and resumes from the newest checkpoint;
 - 0: the run is complete; 2: a mistake to fix (the line above says which), which a requeue would only meet again;
 - anything else (a crash, a lost node): requeued too, but at most MAX_REQUEUES times in all, so that a crash that
   recurs does not hold the queue forever.
+The status is the ranks' own, not srun's: srun exits with the highest of its tasks', and once one rank fails it
+stops the others (SIGTERM, 143), which would turn a mistake (2) into a crash. Each task keeps its rank's status in
+the run directory (STATUSES), and the script reads them as nanopt's own launcher does: a stopped rank is no news, a
+crash wins over the lost contact (2) it causes in the others, and otherwise the highest verdict.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ SIGNAL_LEAD_S = 300  # the checkpoint is written within this; a large model's sa
 RESUME_S = 300  # what each piece spends before its first step: start-up, loading the checkpoint, compiling
 MARGIN = 1.2  # the estimate is of the training steps; evaluation and checkpoints add to it
 SPARE_REQUEUES = 3  # requeues past the planned pieces, for preemptions and crashes
+STATUSES = ".slurm-ranks"  # in the run directory, while a piece runs: each rank's exit status (the script's verdict)
 
 
 @dataclass(frozen=True)
@@ -91,20 +100,52 @@ def sbatch_lines(plan: JobPlan) -> list[str]:
         lines.insert(3, f"--gpus-per-node={plan.gpus_per_node}")
     lines += [f"--partition={plan.partition}"] if plan.partition else []
     lines += [f"--account={plan.account}"] if plan.account else []
-    return [f"#SBATCH {line}" for line in lines]
+    return [f"#SBATCH {_quoted(line)}" for line in lines]
+
+
+def _quoted(option: str) -> str:
+    """sbatch splits a #SBATCH line into words, and refuses the script for a word it does not know (a run directory
+    `run x` gave `x`): a value with a space goes in double quotes, which sbatch takes off."""
+    name, _, value = option.partition("=")
+    if not any(char.isspace() for char in value):
+        return option
+    if '"' in value or any(char in value for char in "\r\n"):
+        raise ConfigError(f"{value!r}: sbatch cannot read this in a #SBATCH line (a double quote or line break with "
+                          "spaces)", "rename the run directory (or the --partition / --account value)")
+    return f'{name}="{value}"'
 
 
 BODY = """
 # What to do with how the training ended (nanopt's exit statuses): see `nanopt slurm --help`.
 set -u
 cd {cwd}
-srun --kill-on-bad-exit=1 {train} &
+# Each rank's own exit status, kept on the run's file system (the nodes share it): once one rank fails, srun stops
+# the others with SIGTERM, and its own status, the highest, would be their 143, not the first one's 2 (a mistake).
+# The wrapper outlives the signals SLURM sends to every process of the step; the rank takes them itself.
+ranks={statuses}/$SLURM_JOB_ID
+rm -rf "$ranks" && mkdir -p "$ranks"
+srun --kill-on-bad-exit=1 bash -c 'trap : USR1 TERM; "$@"; s=$?; echo $s > "$0/$SLURM_PROCID"; exit $s' "$ranks" \\
+  {train} &
 step=$!
-# USR1 (the time limit is near) or SIGTERM: srun passes SIGTERM on to every rank, which saves and exits 75.
-trap 'echo "nanopt-slurm: stopping: every rank saves a checkpoint and exits"; kill -TERM "$step" 2>/dev/null' USR1 TERM
+# USR1, the time limit is near: srun passes USR1 on to every rank as it is (a SIGTERM it would turn into SIGKILL).
+trap 'echo "nanopt-slurm: the time limit is near: every rank saves a checkpoint"; kill -USR1 "$step" 2>/dev/null' USR1
+# SIGTERM: SLURM is ending the job and has sent SIGTERM to the ranks too; whether the job comes back is SLURM's call.
+ended=""
+trap 'ended=1; echo "nanopt-slurm: SLURM is ending the job: every rank saves a checkpoint and exits"' TERM
 while kill -0 "$step" 2>/dev/null; do wait "$step"; done
 wait "$step"
 status=$?
+# A rank srun stopped (143) is no news. The first status that is no verdict (a crash, a kill) wins, else the highest.
+own=$(cat "$ranks"/* 2>/dev/null | grep -vx 143 | sort -un)
+rm -rf "$ranks"; rmdir {statuses} 2>/dev/null
+if [ -n "$own" ]; then
+  crash=$(echo "$own" | grep -vxE '0|2|{stopped}' | head -n 1)
+  status=${{crash:-$(echo "$own" | tail -n 1)}}
+fi
+if [ -n "$ended" ]; then
+  echo "nanopt-slurm: exit status $status; not requeued by this script: SLURM ended the job, and requeues it or not"
+  exit "$status"
+fi
 requeues=${{SLURM_RESTART_COUNT:-0}}
 case $status in
   0) echo "nanopt-slurm: the run is complete"; exit 0 ;;
@@ -125,5 +166,6 @@ def job_script(plan: JobPlan, python: str, cwd: Path, stopped_early: int) -> str
     train = shlex.join([python, "-m", "nanopt", "train", str(plan.run_dir), "--no-live"])
     header = [f"# nanopt slurm: estimated training {format_time(int(plan.estimate_s))}; {plan.pieces} piece(s) of "
               f"at most {format_time(plan.time_limit_s)}, each stopped {SIGNAL_LEAD_S} s before its limit"]
-    body = BODY.format(cwd=shlex.quote(str(cwd)), train=train, max_requeues=plan.max_requeues, stopped=stopped_early)
+    body = BODY.format(cwd=shlex.quote(str(cwd)), train=train, max_requeues=plan.max_requeues, stopped=stopped_early,
+                       statuses=shlex.quote(str(plan.run_dir / STATUSES)))
     return "\n".join(["#!/bin/bash", *sbatch_lines(plan), *header]) + "\n" + body

@@ -59,15 +59,28 @@ def test_a_malformed_node_list_is_one_line(bad: str) -> None:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    base = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    base = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0"}
     return {**base, **extra}
 
 
 def test_no_slurm_without_a_job_and_a_task() -> None:
     assert slurm_job({}) is None
-    assert slurm_job({"SLURM_JOB_ID": "1"}) is None  # inside salloc or the batch script, not a task of srun
+    assert slurm_job({"SLURM_JOB_ID": "1"}) is None  # inside salloc, not a task of srun
+    batch_script = {k: v for k, v in _env(SLURM_PROCID="0").items() if k != "SLURM_STEP_ID"}
+    assert slurm_job(batch_script) is None  # sbatch gives its script SLURM_PROCID=0, but no step
     assert slurm_job(_env()) is not None
+
+
+def test_a_step_of_fewer_tasks_than_the_job_is_the_steps_ranks() -> None:
+    """What `srun --nodes 1 --ntasks 1` gives its task in a job of two nodes and --ntasks-per-node=2 (Slurm 22.05):
+    the step's own counts, and the job's --ntasks-per-node unchanged."""
+    env = _env(SLURM_NODEID="0", SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="2",
+               SLURM_TASKS_PER_NODE="1", SLURM_STEP_NODELIST="gpu07", SLURM_STEP_NUM_NODES="1",
+               SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
+    layout = slurm_layout(slurm_job(env))
+    assert (layout.nnodes, layout.world_size, layout.endpoint) == (1, 1, None)
 
 
 def test_one_task_per_node_starts_the_nodes_gpus() -> None:

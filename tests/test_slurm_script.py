@@ -20,7 +20,7 @@ from faulthelp import tiny_run
 from trainhelp import HIDE_CUDA
 
 from nanopt.errors import ConfigError
-from nanopt.slurm_script import parse_time, plan_job
+from nanopt.slurm_script import parse_time, plan_job, sbatch_lines
 
 WRITE = [sys.executable, "-c", "import sys, nanopt.cli.slurm; from nanopt.cli import main; sys.argv[0] = 'nanopt'; "
          "main()", "slurm"]
@@ -70,6 +70,14 @@ def test_a_long_run_is_split_into_pieces_of_the_given_time() -> None:
     assert parse_time("1-00:00:00") == 86400 and parse_time("90") == 5400 and parse_time("30:00") == 1800
 
 
+def test_a_value_with_a_space_is_quoted_as_sbatch_reads_it() -> None:
+    """sbatch refuses a script whose #SBATCH line has a stray word (tests/test_slurm_cluster.py submits one)."""
+    lines = sbatch_lines(plan_job(Path("/runs/run x"), 1, 2, 100, None, cpu=True))
+    assert '#SBATCH --output="/runs/run x/slurm-%j.out"' in lines and '#SBATCH --job-name="nanopt-run x"' in lines
+    with pytest.raises(ConfigError, match="double quote"):
+        sbatch_lines(plan_job(Path('/runs/run "x'), 1, 2, 100, None, cpu=True))
+
+
 @pytest.mark.parametrize(("args", "words"), [(["--time", "4h"], "--time '4h'"),
                                              (["--time", "00:05:00"], "leaves no time"),
                                              (["--nodes", "0"], "--nodes")])
@@ -115,16 +123,55 @@ def test_the_script_requeues_an_unfinished_run_only(written, tmp_path: Path, sta
     assert done.returncode == (75 if requeue else status)
 
 
-def test_usr1_before_the_limit_stops_the_step_with_sigterm_then_requeues(written, tmp_path: Path) -> None:
+def fake_ranks(tmp_path: Path, *codes: int) -> dict[str, str]:
+    """srun running the script's command as one task per code, each rank's training replaced by `exit CODE`
+    (the wrapper that keeps its status is the script's own); srun's status the highest of them, as srun's is."""
+    env = fake_slurm(tmp_path, "")
+    ranks = " ".join(map(str, codes))
+    (tmp_path / "bin" / "srun").write_text(
+        f"#!/bin/bash\nshift\nhigh=0\nrank=0\nfor code in {ranks}; do\n"
+        '  SLURM_PROCID=$rank "$1" "$2" "$3" "$4" bash -c "exit $code"; s=$?\n'
+        "  [ $s -gt $high ] && high=$s; rank=$((rank + 1))\ndone\nexit $high\n")
+    return env
+
+
+@pytest.mark.parametrize(("codes", "requeue", "status"), [((2, 143), False, 2), ((1, 2), True, 75),
+                                                           ((75, 75), True, 75), ((0, 0), False, 0)])
+def test_the_ranks_own_statuses_decide_not_srun(written, tmp_path: Path, codes: tuple[int, ...], requeue: bool,
+                                                status: int) -> None:
+    """A mistake on rank 1 whose peer srun stopped (143) is a mistake; a crash whose peer lost contact (2) is a
+    crash."""
     run, _ = written
-    step = f"trap 'echo saved > {tmp_path}/saved; exit 75' TERM; sleep 30 & wait"
+    done = subprocess.run(["bash", str(run / "slurm.sbatch")], env=fake_ranks(tmp_path, *codes), capture_output=True,
+                          text=True, timeout=30)
+    assert (requeued(tmp_path), done.returncode) == (requeue, status), done.stdout + done.stderr
+    assert not (run / ".slurm-ranks").exists()
+
+
+def test_usr1_before_the_limit_stops_the_step_with_usr1_then_requeues(written, tmp_path: Path) -> None:
+    run, _ = written
+    # USR1, which srun passes on as it is; a SIGTERM it would turn into SIGKILL (tests/test_slurm_cluster.py)
+    step = f"trap 'echo saved > {tmp_path}/saved; kill %1; exit 75' USR1; sleep 30 & wait"  # the sleep holds stdout
     script = subprocess.Popen(["bash", str(run / "slurm.sbatch")], env=fake_slurm(tmp_path, step),
                               stdout=subprocess.PIPE, text=True)
     time.sleep(1)  # the step has set its trap
     script.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends, to the script alone
     out, _ = script.communicate(timeout=30)
     assert (tmp_path / "saved").exists() and requeued(tmp_path), out
-    assert "nanopt-slurm: stopping" in out and "unfinished and saved" in out
+    assert "nanopt-slurm: the time limit is near" in out and "unfinished and saved" in out
+
+
+def test_a_job_slurm_ends_is_left_to_slurm(written, tmp_path: Path) -> None:
+    """scancel, `scontrol requeue` and preemption send SIGTERM to the script and to the ranks, which save and exit
+    75: a requeue from the script would bring back a job the user cancelled."""
+    run, _ = written
+    script = subprocess.Popen(["bash", str(run / "slurm.sbatch")], env=fake_slurm(tmp_path, "sleep 2; exit 75"),
+                              stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    script.send_signal(signal.SIGTERM)
+    out, _ = script.communicate(timeout=30)
+    assert not requeued(tmp_path) and script.returncode == 75, out
+    assert "not requeued by this script: SLURM ended the job" in out
 
 
 def test_a_training_sent_usr1_saves_and_exits_75(tmp_path: Path, tiny_dataset: Path) -> None:

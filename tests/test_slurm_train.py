@@ -26,9 +26,10 @@ SHORT = {"max_steps": 4, "checkpoint_interval": 4, "eval_interval": 0}
 
 def srun_task(run: Path, proc_id: int, ntasks: int, port: int, *args: str) -> subprocess.Popen:
     """One task of `srun --nodes 1 --ntasks-per-node NTASKS nanopt train RUN` on this machine."""
-    slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-             "SLURM_NODEID": "0", "SLURM_PROCID": str(proc_id), "SLURM_LOCALID": str(proc_id),
-             "SLURM_NTASKS": str(ntasks), "SLURM_TASKS_PER_NODE": str(ntasks), "MASTER_PORT": str(port)}
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
+             "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": str(proc_id),
+             "SLURM_LOCALID": str(proc_id), "SLURM_NTASKS": str(ntasks), "SLURM_TASKS_PER_NODE": str(ntasks),
+             "MASTER_PORT": str(port)}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env.update({"COLUMNS": "200", "PYTHONUNBUFFERED": "1", **HIDE_CUDA, **slurm})
     return subprocess.Popen([sys.executable, "-m", "nanopt", "train", str(run), "--no-live", *args], cwd=REPO,

@@ -22,10 +22,11 @@ task per GPU (each task a rank, its place from SLURM), its output appended to RU
 
 The time limit: without --time, the estimate's training time (`nanopt estimate` on --nodes x --gpus-per-node GPUs,
 or what `nanopt preflight` measured) with a margin, in one job; with --time, pieces of that length. Five minutes
-before a piece's limit SLURM sends USR1 to the script, which stops the ranks with SIGTERM: they save one checkpoint
-and exit 75, and the script requeues the job (`scontrol requeue`), which resumes from that checkpoint. A preemption
-or scancel's SIGTERM does the same. It is not requeued once the run is complete (0) or after a mistake to fix (2);
-after a crash, it is, a few times at most.
+before a piece's limit SLURM sends USR1 to the script, which passes it on to the ranks: they save one checkpoint
+and exit 75, and the script requeues the job (`scontrol requeue`), which resumes from that checkpoint. It is not
+requeued once the run is complete (0) or after a mistake to fix (2); after a crash, it is, a few times at most.
+When SLURM ends the job itself (scancel, scontrol requeue, a preemption), its SIGTERM makes the ranks save and exit
+too, and the script leaves the job to SLURM: a requeued job resumes, a cancelled one stays ended.
 """
 
 EXAMPLES = """
