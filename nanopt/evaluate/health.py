@@ -124,7 +124,7 @@ def health_figure(curves: HealthCurves, verdicts: list[dict[str, Any]], run_dir:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 1, figsize=(9, 10), dpi=100, sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), dpi=100, sharex=True, layout="constrained")
     axes[0].plot(*curves.loss.points(), linewidth=1)
     axes[0].set_ylabel("loss")
     axes[1].plot(*curves.grad_norm.points(), color="black", linewidth=1.2, label="global")
@@ -145,9 +145,8 @@ def health_figure(curves: HealthCurves, verdicts: list[dict[str, Any]], run_dir:
         for v in verdicts:
             ax.axvline(v["step"], color="tab:orange", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="x-small", ncol=4)
+        if ax.get_legend_handles_labels()[0]:  # beside the panel, never over its curves
+            ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     names = ", ".join(f"{v['name']} (step {v['step']})" for v in verdicts) or "no verdict"
     axes[0].set_title(f"{Path(run_dir).name}: {names}", fontsize="small")
-    fig.tight_layout()
     return fig
