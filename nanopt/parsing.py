@@ -338,17 +338,18 @@ def path_kind(path: Path, error: type[NanoptError], hint: str) -> str:
 
 def plain_path(path: Path | str) -> Path:
     """A path a person gave, as every message shows it and as it is opened: `..` and `.` folded away (a run's data
-    "../../data/x" is data/x, not runs/mine/../../data/x), and relative to the current directory when under it (a
-    `--set data=DIR` made absolute reads as typed). Train and eval both name datasets through this, so one dataset
-    reads the same in both. A `..` after a symbolic link names another place once folded: that path stays as given."""
+    "../../data/x" is data/x, not runs/mine/../../data/x), relative to the current directory when under it, and
+    absolute when not (`--data ../x`, `--set data=../x` made absolute and a train.json's "../../../x" all read
+    /home/me/x). Train and eval both name datasets through this, so one dataset reads the same in both. A `..`
+    after a symbolic link names another place once folded: that path stays as given."""
     text = os.fspath(path)
     try:
-        folded = os.path.normpath(text)
-        if folded != text and os.path.realpath(folded) != os.path.realpath(text):
-            folded = text
         here = os.getcwd()
+        folded = os.path.normpath(os.path.join(here, text))
+        if os.path.realpath(folded) != os.path.realpath(text):
+            return Path(text)
     except (OSError, ValueError):  # a NUL byte, a deleted working directory: the path as given
         return Path(text)
-    if os.path.isabs(folded) and (folded == here or folded.startswith(os.path.join(here, ""))):
-        folded = os.path.relpath(folded, here)
+    if folded == here or folded.startswith(os.path.join(here, "")):
+        return Path(os.path.relpath(folded, here))
     return Path(folded)

@@ -70,6 +70,13 @@ def test_train_and_eval_show_a_dataset_path_alike_relative_and_folded(project: P
                  ["eval", "runs/r", "--data", "runs/r/../../data/tiny"], ["eval", project / "runs" / "r"]):
         result = cli_in_process(*argv, "--no-live" if argv[0] == "train" else "--no-samples")
         assert_user_error(result, "error: data/tiny/train/shard-00000.npy: shard file not found")
+    # From inside runs/, the dataset is outside the current directory: absolute, however it was named.
+    monkeypatch.chdir(project / "runs")
+    outside = f"error: {project / 'data' / 'tiny' / 'train' / 'shard-00000.npy'}: shard file not found"
+    for argv in (["train", "r"], ["train", "r", "--set", "data=../data/tiny"], ["eval", "r"],
+                 ["eval", "r", "--data", "../data/tiny"]):
+        result = cli_in_process(*argv, "--no-live" if argv[0] == "train" else "--no-samples")
+        assert_user_error(result, outside)
 
 
 def test_set_data_is_relative_to_the_current_directory(project: Path, cli_in_process,
@@ -81,6 +88,12 @@ def test_set_data_is_relative_to_the_current_directory(project: Path, cli_in_pro
     assert result.returncode == 0, result.stderr
     meta = json.loads(next((project / "runs" / "r" / "checkpoints").glob("step-*/meta.json")).read_text())
     assert meta["config"]["train"]["data"] == os.path.abspath(project / "moved")
+    # A --set path that is not there is the command line's mistake, not train.json's (which holds no such path).
+    for data in ("typo", '{"web": {"path": "typo", "weight": 1}}'):
+        missing = cli_in_process("train", "runs/r", "--set", f"data={data}")
+        assert_user_error(missing, "typo: dataset directory not found (--set data: relative to the current "
+                          "directory)", "correct --set data")
+        assert "train.json" not in missing.stderr
 
 
 def test_a_mixture_set_on_the_command_line_is_relative_to_the_current_directory(project: Path, cli_in_process,

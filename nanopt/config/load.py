@@ -44,7 +44,7 @@ def load_run(run_dir: Path | str, overrides: dict[str, Any] | None = None) -> Ru
         source = f"{train_path} (with --set {', '.join(overrides)})"
     train = from_dict(TrainConfig, _read_token_counts(raw, source), source)
     train.validate(model, source)
-    return RunConfig(run_dir=run_dir, model=model, train=train)
+    return RunConfig(run_dir=run_dir, model=model, train=train, set_on_command_line=frozenset(overrides or ()))
 
 
 def _refuse_model_keys(overrides: dict[str, Any], model_json: Path) -> None:

@@ -258,6 +258,7 @@ class RunConfig:
     run_dir: Path
     model: ModelConfig
     train: TrainConfig
+    set_on_command_line: frozenset[str] = frozenset()  # train.json's keys `--set` gave, for messages to name
 
     @property
     def seq_len(self) -> int:

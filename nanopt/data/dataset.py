@@ -52,6 +52,9 @@ def open_run_dataset(run: RunConfig, *, verify_up_to_bytes: int = VERIFY_AT_OPEN
     path it was looked for at."""
     path, given = (run.data_dir, run.train.data) if path is None else (path, given)
     if path_kind(path, DataError, "give the dataset directory made by `nanopt tokenize`") == "missing":
+        if "data" in run.set_on_command_line:  # made absolute from the current directory: train.json is not to blame
+            raise DataError(f"{path}: dataset directory not found (--set data: relative to the current directory)",
+                            f"make it with `nanopt tokenize SOURCE --out {shell_word(path)}`, or correct --set data")
         relative = "" if Path(given).is_absolute() else ", relative to the run directory"
         raise DataError(f"{path}: dataset directory not found ({run.run_dir / 'train.json'} 'data': "
                         f"{given!r}{relative})", _missing_data_hint(run, path, given))
