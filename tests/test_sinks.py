@@ -181,7 +181,7 @@ def test_the_loss_chart_marks_recoveries_and_loss_spikes(tmp_path):
     assert sorted(line.get_xdata()[0] for line in verticals) == [64 * 12, 64 * 13, 64 * 14]  # at the events' steps
     assert {line.get_color() for line in verticals if line.get_xdata()[0] == 64 * 14} == {"tab:red"}
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "train", "val", "loss spike (2)", "recovery (rolled back) (1)"]
+        "train", "val", "loss spike: 2 times", "recovery (rolled back): once"]
 
     path = write_loss_chart(run)
     assert path == run / "loss.png"

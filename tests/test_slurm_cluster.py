@@ -201,6 +201,10 @@ def test_a_time_limit_shorter_than_the_run_requeues_it_until_it_is_done(cluster:
     assert out.count("received SIGUSR1: finishing this step, saving a checkpoint") >= restarts, report
     assert out.count("nanopt-slurm: the run is unfinished and saved: requeued") == restarts, report
     assert_same_losses(cluster, runs.limited.run, runs, report)
+    # The bill has every piece: each is a session of its own in metrics.jsonl's time records, its start-up included.
+    records = [json.loads(line) for line in (runs.limited.run / "metrics.jsonl").read_text().splitlines()]
+    sessions = {r["session_start"] for r in records if r.get("kind") == "phases"}
+    assert len(sessions) == restarts + 1, report
 
 
 def test_a_mistake_in_train_json_ends_the_job_once_with_its_one_line(cluster: Cluster, tmp_path: Path,

@@ -146,7 +146,9 @@ class TrainLoader:
         if self.num_windows < 1:
             raise DataError(f"{dataset.path}: split '{split}' has {self.stream.total:,} tokens, fewer than one "
                             f"training sequence of seq_len + 1 = {seq_len + 1:,}",
-                            "tokenize a larger corpus or lower seq_len")
+                            "tokenize a larger corpus" + (", or with a larger --val-fraction (on a small corpus "
+                                                          "the hash may hold out no document)" if split != "train"
+                                                          else "") + ", or lower seq_len")
         self.step = 0  # optimizer steps completed
         self.micro_step = 0  # micro-steps of the current step already handed out
         self._permutation: FeistelPermutation | None = None

@@ -95,8 +95,9 @@ def tokens_in_seconds(seconds: float, flops_per_tok: float, num_gpus: int, peak_
 
 
 # What to show instead of an MFU above 100%: no run beats the hardware's dense peak, so such a number means the
-# peak is wrong for this GPU (a card taken for another in nanopt.hardware's table), never a result.
-IMPLAUSIBLE_MFU = "implausible (peak table wrong for this GPU?)"
+# peak is wrong for this device (a card taken for another in nanopt.hardware's table, or a CPU whose /proc/cpuinfo
+# understates its vector units), never a result.
+IMPLAUSIBLE_MFU = "implausible (the device's peak FLOP/s is too low: a GPU taken for another, or a CPU's vector units)"
 
 
 def mfu(tokens_per_second: float, flops_per_tok: float, num_gpus: int,

@@ -174,6 +174,11 @@ CHART_SOFTWARE = "nanopt"
 Curve = tuple[list[int], list[float]]  # tokens, loss
 
 
+def _times(count: int) -> str:
+    """How often an event happened, as a legend says it: "(1)" read like "phase 1" beside a data phase's line."""
+    return "once" if count == 1 else f"{count} times"
+
+
 def loss_curves(records: list[dict[str, Any]]) -> tuple[Curve, Curve]:
     """Train loss and validation loss against tokens, from the train and eval records in the order written."""
     train = [r for r in records if r.get("kind") == "train" and "tokens" in r and "loss" in r]
@@ -223,7 +228,7 @@ def loss_chart(run_dir: Path) -> Any:
         label, color, style = CHART_EVENTS[event]
         for i, x in enumerate(tokens):  # one legend entry per kind of event
             ax.axvline(x, color=color, linestyle=style, linewidth=1,
-                       label=f"{label} ({len(tokens)})" if i == 0 else None)
+                       label=f"{label}: {_times(len(tokens))}" if i == 0 else None)
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(f"{Path(run_dir).name}")
