@@ -27,7 +27,7 @@ from nanopt.cli.rank_errors import hand_to_launcher
 from nanopt.cli.terminal import SafeConsole
 from nanopt.errors import DistributedError, NanoptError
 from nanopt.runtime import ranks
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 app = App(
     name="nanopt",

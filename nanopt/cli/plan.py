@@ -13,7 +13,7 @@ from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
 from nanopt.cli.helptext import epilog
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 ABOUT = """
 The budget becomes the training steps' FLOPs: a time or money budget less a setup allowance and the shares kept

@@ -17,7 +17,7 @@ from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_a
 from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.cli.plan import correct_after_preflight, render_correction
 from nanopt.runtime import ranks, under_torchrun
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 ABOUT = """
 Nothing of the run is touched (no checkpoint, no metrics.jsonl, no lock): the checkpoint is timed in a temporary

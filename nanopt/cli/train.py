@@ -23,8 +23,8 @@ from nanopt.errors import ConfigError, DistributedError
 from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
-from nanopt.shown import printable
 from nanopt.train.world_fit import micro_batch_for_world
+from nanopt.untrusted_text import printable
 
 ABOUT = """
 --on-exit (train.json on_exit): rank 0 runs the command once through the shell when the run ends: completed,

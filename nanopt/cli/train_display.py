@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from nanopt.cli import format as fmt
 from nanopt.cli.mixture_display import live_sources
 from nanopt.cli.terminal import SafeConsole
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 
 class Display:

@@ -34,7 +34,7 @@ from nanopt.data.meta import read_meta, retokenize_hint
 from nanopt.data.shards import ShardHeader, map_shard, read_header, sha256_file
 from nanopt.errors import DataError
 from nanopt.parsing import path_kind
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 if TYPE_CHECKING:
     from nanopt.config import ModelConfig, RunConfig

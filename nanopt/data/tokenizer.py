@@ -21,7 +21,7 @@ from nanopt.data.shards import FORMAT
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
 from nanopt.parsing import check_option, read_capped, read_json
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 ENDOFTEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols, the end-of-text token and at least one merge

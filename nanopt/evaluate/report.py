@@ -51,10 +51,10 @@ from nanopt.runtime import (
     shutdown,
     with_tf32,
 )
-from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.resume import data_fingerprint
 from nanopt.train.validation import LossResult, evaluate_by_source
+from nanopt.untrusted_text import shell_word
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU

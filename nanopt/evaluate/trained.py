@@ -26,8 +26,8 @@ from nanopt.data.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import path_kind, plain_path
-from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint, check_fits, latest, load_weights, resolve
+from nanopt.untrusted_text import shell_word
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 

@@ -17,7 +17,6 @@ from nanopt.errors import NanoptError, WritePathError
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
-from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train import health_watch, pace, phases
 from nanopt.train.downstream import (
@@ -48,6 +47,7 @@ from nanopt.train.session import Session, TrainOptions, build_session
 from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
 from nanopt.train.stall import StallWatch, start_stall_watch
 from nanopt.train.step import step
+from nanopt.untrusted_text import shell_word
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
 # that destructor can join a gloo thread which needs the GIL: the process then hangs after a finished run. Under

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 SLOW_SHARE = 0.5  # "far below": half the pace. Step times on an idle machine vary by far less
 SPAN_S = 1.0

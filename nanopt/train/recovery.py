@@ -22,13 +22,13 @@ from typing import Any
 
 from nanopt.errors import CheckpointError
 from nanopt.runtime import broadcast_object
-from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
 from nanopt.train.resume import load_checkpoint
 from nanopt.train.save import wait_for_save
 from nanopt.train.schedule import recovery_lr_multiplier
 from nanopt.train.session import Session
 from nanopt.train.step import TrainingDiverged, diverged
+from nanopt.untrusted_text import shell_word
 
 
 class SpikeWatch:

@@ -12,11 +12,11 @@ import torch
 
 from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
-from nanopt.shown import shell_word
 from nanopt.train.optim import optimizers_of, set_lr
 from nanopt.train.scaling import scaled, unscale, update
 from nanopt.train.schedule import recovery_lr_multiplier, scheduled_lr
 from nanopt.train.session import Session
+from nanopt.untrusted_text import shell_word
 
 
 class TrainingDiverged(NanoptError):

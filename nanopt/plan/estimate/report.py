@@ -21,8 +21,8 @@ from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
 from nanopt.plan.estimate.target import Target, compiled, has_bf16, run_memory, run_precision, target_for
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
-from nanopt.shown import shell_word
 from nanopt.train.shape_schedule import longest_stage_run, run_flops_per_token
+from nanopt.untrusted_text import shell_word
 
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:

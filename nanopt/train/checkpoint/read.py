@@ -17,7 +17,6 @@ from nanopt.errors import CheckpointError
 from nanopt.model.flops import count_params
 from nanopt.model.memory import states_only
 from nanopt.rundir import STEP_NAME, step_dir_name
-from nanopt.shown import shell_word
 from nanopt.train import sharded
 from nanopt.train.checkpoint.meta import (
     FULL,
@@ -32,6 +31,7 @@ from nanopt.train.checkpoint.meta import (
     unflatten_optimizer_state,
 )
 from nanopt.train.contents import check_contents
+from nanopt.untrusted_text import shell_word
 
 
 def step_of(path: Path) -> int | None:
