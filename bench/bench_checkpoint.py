@@ -13,11 +13,12 @@ one optimizer step so that AdamW's moments exist, and saves one checkpoint:
          (a collective: rank 0 receives every tensor), then rank 0 writes the two safetensors files
          (nanopt.train.checkpoint.write_checkpoint);
 - sync:  what the training loop now writes, but in the foreground: on several ranks every rank writes the shards it
-         holds (nanopt.train.sharded.save of tensors_only(sharded_state(...))) and rank 0 publishes the directory;
-         in one process the full layout from the state as it is (write_full, publish; there is nothing to gather);
-- async: the real background save the loop uses (nanopt.train.save.save_checkpoint), twice: "blocked" is how long
-         the training step waits for it, "done" how long until the checkpoint is published (the second save's,
-         once the checkpoint process group exists; the first's is in the JSON). blocked / sync is the share of a
+         holds (nanopt.train.checkpoint.sharded.save of tensors_only(sharded_state(...))) and rank 0 publishes the
+         directory; in one process the full layout from the state as it is (write_full, publish; there is nothing to
+         gather);
+- async: the real background save the loop uses (nanopt.train.checkpoint.save.save_checkpoint), twice: "blocked"
+         is how long the training step waits for it, "done" how long until the checkpoint is published (the second
+         save's, once the checkpoint process group exists; the first's is in the JSON). blocked / sync is the share of a
          synchronous save the step still pays (target: under 10%).
 
 Memory is measured as nanopt measures it on the CPU (nanopt.runtime's VmRSS / VmHWM helpers): before a save the
@@ -65,9 +66,9 @@ from nanopt.runtime import (
     shutdown,
 )
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import sharded
-from nanopt.train.parallel import full_model_state, full_optimizer_state, sharded_state, tied_aliases
-from nanopt.train.save import save_checkpoint, wait_for_save
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save
+from nanopt.train.parallel.wrap import full_model_state, full_optimizer_state, sharded_state, tied_aliases
 from nanopt.train.session import build_session
 from nanopt.train.step import step
 
@@ -175,8 +176,8 @@ def save_sync(s: Any, watch: RssWatch) -> dict[str, float]:
 
 
 def save_async(s: Any, watch: RssWatch) -> dict[str, float]:
-    """nanopt.train.save.save_checkpoint as the loop calls it, twice (the first also makes the checkpoint process
-    group); each time the main thread then waits for the background work, as the next save would."""
+    """nanopt.train.checkpoint.save.save_checkpoint as the loop calls it, twice (the first also makes the checkpoint
+    process group); each time the main thread then waits for the background work, as the next save would."""
     watch.start()
     first_blocked, first_done = _one_async_save(s)
     rise = watch.rise()

@@ -52,7 +52,7 @@ import torch._dynamo  # noqa: F401  (imported by the optimizer's first construct
 import importlib
 # Imported on first use by every `nanopt train` (typer's option parsing pulls in pydantic): ~0.1-0.2 s per child.
 # A name that moves is skipped: the children import what they need themselves.
-for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer", "nanopt.train.exit_hook",
+for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer", "nanopt.train.guard.exit_hook",
              "PIL.PngImagePlugin"):
     try:
         importlib.import_module(name)

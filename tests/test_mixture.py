@@ -19,7 +19,7 @@ from trainhelp import eval_losses, losses, make_run
 from nanopt.config import load_run
 from nanopt.data.mixture import MixtureLoader, open_run_data
 from nanopt.train import checkpoint as ckpt
-from nanopt.train.schedule import lr_at
+from nanopt.train.optim.schedule import lr_at
 
 # Stated tolerance: in every window of 100 consecutive steps (and over the run) each source's share of the samples
 # is within half a percentage point of its weight. The interleave's bound is 2 samples in any window of samples

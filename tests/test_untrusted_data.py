@@ -40,9 +40,9 @@ from nanopt.data.dataset import TokenDataset
 from nanopt.errors import DataError, NanoptError
 from nanopt.evaluate.report import bits_per_byte
 from nanopt.rundir import RunDir
-from nanopt.train.metrics import MetricsLog, event_marks, loss_curves, read_metrics
-from nanopt.train.phases import run_time
-from nanopt.train.resume import data_fingerprint
+from nanopt.train.checkpoint.resume import data_fingerprint
+from nanopt.train.observe.metrics import MetricsLog, event_marks, loss_curves, read_metrics
+from nanopt.train.observe.phases import run_time
 
 EXAMPLES = int(os.environ.get("NANOPT_FUZZ_EXAMPLES", "100"))
 PROPERTY = settings(derandomize=True, database=None, deadline=timedelta(seconds=10), max_examples=EXAMPLES,

@@ -95,7 +95,7 @@ def _started(argv: list[str] | None) -> float:
     """A command started as a process (argv None: the command line) is billed from the process start, imports
     included; a call from Python (tests, a notebook) from now, not from whenever its process began."""
     if argv is None:
-        from nanopt.train.phases import process_start_time
+        from nanopt.train.observe.phases import process_start_time
 
         return process_start_time()
     return time.time()

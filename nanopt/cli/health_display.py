@@ -1,4 +1,4 @@
-"""Rendering run health (nanopt.train.health): the table at the end of `nanopt train`, and `nanopt health` (or
+"""Rendering run health (nanopt.train.health.verdicts): the table at the end of `nanopt train`, and `nanopt health` (or
 `nanopt eval --health`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from nanopt.rundir import RunDir
-from nanopt.train.health import BLOCKS_PER_WINDOW, MIN_BLOCKS
+from nanopt.train.health.verdicts import BLOCKS_PER_WINDOW, MIN_BLOCKS
 
 
 def health_table(health: dict[str, Any], title: str) -> Table:

@@ -1,6 +1,6 @@
 """A run's prediction on screen: recorded by `nanopt train` before the first step (the live display's start, on rank
 0, once the run is locked and set up), and shown against what was measured at the end of each session and by
-`nanopt eval RUN` (nanopt.train.prediction.compared)."""
+`nanopt eval RUN` (nanopt.train.observe.prediction.compared)."""
 
 from __future__ import annotations
 

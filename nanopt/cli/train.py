@@ -23,7 +23,7 @@ from nanopt.errors import ConfigError, DistributedError
 from nanopt.hardware import check_price_per_hour
 from nanopt.parsing import parse_overrides
 from nanopt.runtime import ranks, restarts, under_torchrun
-from nanopt.train.world_fit import micro_batch_for_world
+from nanopt.train.parallel.world_fit import micro_batch_for_world
 from nanopt.untrusted_text import printable
 
 ABOUT = """
@@ -146,7 +146,7 @@ def train_command(
                         PredictingDisplay(run, ranks().world_size, live=not no_live,
                                           on_health=_event_hook(run, on_event)))
         if ranks().is_main:
-            from nanopt.train.prediction import compared
+            from nanopt.train.observe.prediction import compared
 
             summary["prediction"] = compared(run.run_dir)
             if as_json:
@@ -198,7 +198,7 @@ class _ExitHook:
         self._run(None, summary)
 
     def _run(self, error: BaseException | None, summary: dict[str, Any] | None) -> None:
-        from nanopt.train import exit_hook
+        from nanopt.train.guard import exit_hook
 
         if not (self.command and ranks().is_main and exit_hook.ends_the_run(error)) or _restart_follows(error):
             return
@@ -226,7 +226,7 @@ def _event_hook(run: Any, command: str | None) -> Any:
         return None
     import threading
 
-    from nanopt.train.exit_hook import run_event_hook
+    from nanopt.train.guard.exit_hook import run_event_hook
 
     def run_it(event: dict[str, Any]) -> None:
         _print_hook_result(run_event_hook(command, event, run.run_dir, run.train.on_exit_timeout_s), "on-event")

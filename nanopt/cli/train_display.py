@@ -1,6 +1,6 @@
 """The live view of a training run: a rich progress bar with the latest numbers, and log lines.
 
-It implements nanopt.train.events.TrainObserver; the library calls it on rank 0 only.
+It implements nanopt.train.observe.events.TrainObserver; the library calls it on rank 0 only.
 """
 
 from __future__ import annotations

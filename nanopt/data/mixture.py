@@ -48,7 +48,7 @@ class MixtureData:
         first = datasets[0]
         self.path, self.vocab_size, self.eos_id = first.path, first.vocab_size, first.eos_id
         self.tokenizer_path, self.tokenizer_sha256 = first.tokenizer_path, first.tokenizer_sha256
-        # What nanopt.train.resume.data_fingerprint hashes: every source's shards, under its name.
+        # What nanopt.train.checkpoint.resume.data_fingerprint hashes: every source's shards, under its name.
         named = zip(self.names, datasets, strict=True)
         self.meta = {"splits": {name: dataset.meta["splits"] for name, dataset in named}}
 

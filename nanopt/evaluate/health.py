@@ -1,13 +1,13 @@
 """Run health for a run someone did not watch: `nanopt eval RUN --health` and eval.json's `health` section.
 
 Replays the run's metrics.jsonl (finished, or still being written: a torn last line is skipped) through the
-monitor training uses (nanopt.train.health), and draws its signals against steps into RUN/health.png.
+monitor training uses (nanopt.train.health.verdicts), and draws its signals against steps into RUN/health.png.
 
 Memory is bounded whatever the file's length (a long GPU run logs millions of lines), and time is linear in it:
-the file is read once, a line at a time (a line over 1 MiB is skipped unread, nanopt.train.records); the monitor
+the file is read once, a line at a time (a line over 1 MiB is skipped unread, nanopt.train.observe.records); the monitor
 keeps four windows of blocks and ratios (a few thousand numbers at most); the chart keeps each curve thinned as it is
-read to at most CHART_BUCKETS runs of points, each run's lowest and highest (nanopt.train.metrics.Thinned), for at
-most MAX_CURVES curves. Measured on two cores: a peak of 414 MB for 1,000 lines (the interpreter, torch and
+read to at most CHART_BUCKETS runs of points, each run's lowest and highest (nanopt.train.observe.metrics.Thinned), for
+at most MAX_CURVES curves. Measured on two cores: a peak of 414 MB for 1,000 lines (the interpreter, torch and
 matplotlib), 442 MB for a million, 430 MB for ten million, at about 21 s per million lines; the tests hold the
 peak within 100 MB of the 1,000 lines' one.
 """
@@ -24,9 +24,9 @@ from nanopt.errors import NanoptError
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint.meta import read_meta
 from nanopt.train.checkpoint.read import complete_checkpoints
-from nanopt.train.health import STAGNANT_RATIO, HealthMonitor, HealthSettings
-from nanopt.train.health_window import Block
-from nanopt.train.metrics import Thinned, iter_metrics, save_chart
+from nanopt.train.health.verdicts import STAGNANT_RATIO, HealthMonitor, HealthSettings
+from nanopt.train.health.window import Block
+from nanopt.train.observe.metrics import Thinned, iter_metrics, save_chart
 
 MAX_CURVES = 64  # gradient-norm blocks or update-ratio groups charted: a stranger's file may name millions
 
@@ -82,7 +82,7 @@ def _as_trained(run: RunConfig) -> RunConfig:
 
 
 class HealthCurves:
-    """The chart's curves, each thinned as the train records are read (nanopt.train.metrics.Thinned)."""
+    """The chart's curves, each thinned as the train records are read (nanopt.train.observe.metrics.Thinned)."""
 
     def __init__(self) -> None:
         self.loss, self.grad_norm, self.clipped = Thinned(), Thinned(), Thinned()

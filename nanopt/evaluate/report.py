@@ -52,7 +52,7 @@ from nanopt.runtime import (
     with_tf32,
 )
 from nanopt.train.checkpoint import Checkpoint
-from nanopt.train.resume import data_fingerprint
+from nanopt.train.checkpoint.resume import data_fingerprint
 from nanopt.train.validation import LossResult, evaluate_by_source
 from nanopt.untrusted_text import shell_word
 

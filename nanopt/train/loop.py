@@ -18,7 +18,8 @@ from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import health_watch, pace, phases
+from nanopt.train.checkpoint.resume import maybe_resume
+from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.downstream import (
     downstream_advice,
     run_downstream,
@@ -26,10 +27,12 @@ from nanopt.train.downstream import (
     tasks_seconds_left,
     typical_eval_seconds,
 )
-from nanopt.train.events import TrainObserver
-from nanopt.train.failures import reporting_failures
-from nanopt.train.lock import RunLock, RunLocked
-from nanopt.train.metrics import iter_metrics, write_loss_chart
+from nanopt.train.guard.failures import reporting_failures
+from nanopt.train.guard.lock import RunLock, RunLocked
+from nanopt.train.guard.preemption import preemption_handler
+from nanopt.train.guard.recovery import recover_if_needed, spike_pending, start_watching
+from nanopt.train.guard.stall import StallWatch, start_stall_watch
+from nanopt.train.health import watch as health_watch
 from nanopt.train.mixture_report import (
     PhaseWatch,
     announce_sources,
@@ -38,14 +41,12 @@ from nanopt.train.mixture_report import (
     source_summary,
     warn_if_data_repeats,
 )
-from nanopt.train.preemption import preemption_handler
+from nanopt.train.observe import pace, phases
+from nanopt.train.observe.events import TrainObserver
+from nanopt.train.observe.metrics import iter_metrics, write_loss_chart
 from nanopt.train.recompiles import CompileWatch
-from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
-from nanopt.train.resume import maybe_resume
-from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
 from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
-from nanopt.train.stall import StallWatch, start_stall_watch
 from nanopt.train.step import step
 from nanopt.untrusted_text import shell_word
 
@@ -228,7 +229,7 @@ def _freeze_heap() -> None:
 
 
 def _record_phases(s: Session, best_effort: bool = False) -> None:
-    """The session's time per phase so far, as a metrics.jsonl `phases` record (see nanopt.train.phases). When
+    """The session's time per phase so far, as a metrics.jsonl `phases` record (see nanopt.train.observe.phases). When
     the session is ending on an error, a failure to write it (the full disk that ended it) must not hide that."""
     try:
         s.metrics.write("phases", step=s.state.step, world_size=s.rt.world_size, price_per_hour=s.price_per_hour,

@@ -114,7 +114,7 @@ def _throughput_source(run: RunConfig | None,
 def _projection_outdated(run: RunConfig, projection: dict[str, Any]) -> str | None:
     """Why preflight's whole-run projection no longer describes the run (the budget or the evaluation or checkpoint
     cadence changed since: they are not speed settings, so its tokens/s still stands), or None."""
-    from nanopt.train.phases import occasions
+    from nanopt.train.observe.phases import occasions
 
     now = {"steps": run.total_steps,
            "evaluations": occasions(run.train.eval_interval, 0, run.total_steps) if run.train.eval_interval else 0,

@@ -29,8 +29,9 @@ from nanopt.config import ModelConfig, model_config_from_snapshot
 from nanopt.errors import CheckpointError, ConfigError
 from nanopt.model.layout import TensorSpec, meta_model, mismatch, parameter_specs, tensor_specs, tied_aliases
 from nanopt.safetensors_header import read_header
-from nanopt.train import lowbit, sharded
-from nanopt.train.meta_fields import Bad
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.meta_fields import Bad
+from nanopt.train.optim import lowbit
 
 # Optimizer state shaped like its parameter (AdamW's moments, Muon's momentum); "step" is a scalar. Other names
 # (a newer torch's) are left to the optimizer, which reads only the names it knows.
@@ -113,7 +114,7 @@ def _header(file: Path) -> dict[str, TensorSpec]:
 
 def _kinds(model: ModelConfig, optimizer: str) -> dict[str, str]:
     """{parameter: the optimizer that steps it}: Muon's group is the last of a muon run, AdamW steps the rest."""
-    from nanopt.train.optim import group_names
+    from nanopt.train.optim.optimizer import group_names
 
     groups = group_names(list(meta_model(model).named_parameters()), optimizer)
     kind = "adamw" if optimizer == "muon" else optimizer
@@ -155,8 +156,8 @@ def _parameter_state_problem(parameter: str, param: TensorSpec, stored: dict[str
 
 def _expected_state(param: TensorSpec, stored: dict[str, TensorSpec], kind: str) -> dict[str, TensorSpec] | str:
     """{name: spec} of what `kind` keeps for `param`, or what makes `stored` impossible. 8-bit AdamW keeps a moment
-    as its three parts (nanopt.train.lowbit) or in fp32 (a tensor too small, or whose rows did not split into whole
-    blocks on the ranks that wrote it): the stored names say which."""
+    as its three parts (nanopt.train.optim.lowbit) or in fp32 (a tensor too small, or whose rows did not split into
+    whole blocks on the ranks that wrote it): the stored names say which."""
     if kind == "muon":
         return {"momentum_buffer": param}
     expected = {"step": STEP}
@@ -206,7 +207,7 @@ def _value_problem(name: str, tensor: torch.Tensor, step: int) -> str | None:
 def _check_groups(groups: list[dict[str, Any]], model: ModelConfig, optimizer: str, bad: Bad) -> None:
     """The saved groups replace the live optimizer's on load, group by group: their number and the parameters in
     each must be build_optimizer's."""
-    from nanopt.train.optim import group_names
+    from nanopt.train.optim.optimizer import group_names
 
     expected = group_names(list(meta_model(model).named_parameters()), optimizer)
     if len(groups) != len(expected):

@@ -7,8 +7,8 @@ DCP reshards what each rank loads to its own layout. One process (eval, export) 
 straight into the model's own tensors, so memory stays at one copy of the weights.
 
 Only tensors go into the shards: the optimizer's parameter groups (and everything else that is not a tensor) are in
-meta.json. DCP's own `.metadata` index is a pickle: nanopt.train.shard_index reads it against stand-ins and builds
-the index itself from checked fields, so a crafted checkpoint can neither run code nor change a real object.
+meta.json. DCP's own `.metadata` index is a pickle: nanopt.train.checkpoint.shard_index reads it against stand-ins and
+builds the index itself from checked fields, so a crafted checkpoint can neither run code nor change a real object.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from nanopt.errors import CheckpointError
 from nanopt.files import link_refused
-from nanopt.train.shard_index import METADATA_FILE, SHARD_FILE, read_index
+from nanopt.train.checkpoint.shard_index import METADATA_FILE, SHARD_FILE, read_index
 
 # torch.distributed.checkpoint is imported inside the functions that use it: it costs a process over a second to
 # import, and eval or export of a one-process checkpoint never needs it.
@@ -140,7 +140,7 @@ def load(state: dict[str, Any], directory: Path, group: Any = None) -> None:
 def load_model_weights(model: torch.nn.Module, directory: Path, aliases: dict[str, str]) -> None:
     """Read the model part of a sharded checkpoint into `model`'s own parameters and buffers, tensor by tensor
     (memory: the model once, plus DCP's read buffers). `aliases` are tied names that are stored once. Names and
-    shapes were compared with the model's when the checkpoint was verified (nanopt.train.contents)."""
+    shapes were compared with the model's when the checkpoint was verified (nanopt.train.checkpoint.contents)."""
     target = {key: value for key, value in model.state_dict().items() if key not in aliases}
     with torch.no_grad():
         load({"model": target}, directory)

@@ -27,7 +27,7 @@ from typing import IO, Any
 from nanopt.errors import NanoptError, WritePathError
 from nanopt.files import open_file
 from nanopt.rundir import RunDir
-from nanopt.train.lock import RunLocked
+from nanopt.train.guard.lock import RunLocked
 
 REASONS = ("completed", "preempted", "diverged", "error", "interrupted", "crashed")
 
@@ -163,8 +163,8 @@ def run_exit_hook(command: str, reason: str, run_dir: Path, timeout_s: float, de
 
 
 def run_event_hook(command: str, event: dict[str, Any], run_dir: Path, timeout_s: float) -> HookResult:
-    """The --on-event command, once per health verdict (nanopt.train.health), run as the on-exit command is (the
-    shell, a session of its own, bounded by `timeout_s`, its output capped) into the run's on_event.log, with
+    """The --on-event command, once per health verdict (nanopt.train.health.verdicts), run as the on-exit command is
+    (the shell, a session of its own, bounded by `timeout_s`, its output capped) into the run's on_event.log, with
     NANOPT_EVENT (the verdict's name), NANOPT_EVENT_STEP, NANOPT_EVENT_MESSAGE (what was seen; what usually fixes
     it) and NANOPT_RUN_DIR. Never raises."""
     env = hook_environment("", run_dir, ExitDetails(exit_status=0))

@@ -5,7 +5,7 @@ standard deviations above the rolling mean and above every loss in the window; a
 `max_nonfinite_steps` non-finite steps in a row. Then every rank together loads the newest complete checkpoint from
 before the weights that gave the first bad step, leaves the data position past the batches read since (plus
 `recovery_skip_steps` more steps' worth), multiplies the learning rate by `recovery_lr_factor` and ramps it back
-over `recovery_lr_steps` steps (nanopt.train.schedule.recovery_lr_multiplier, saved in the checkpoint's counters),
+over `recovery_lr_steps` steps (nanopt.train.optim.schedule.recovery_lr_multiplier, saved in the checkpoint's counters),
 and trains on. After `max_recoveries` rollbacks, or with no checkpoint from before the trouble, the run stops with
 TrainingDiverged. No periodic checkpoint is saved while a spike is unconfirmed, so the one before it is kept.
 
@@ -23,9 +23,9 @@ from typing import Any
 from nanopt.errors import CheckpointError
 from nanopt.runtime import broadcast_object
 from nanopt.train import checkpoint as ckpt
-from nanopt.train.resume import load_checkpoint
-from nanopt.train.save import wait_for_save
-from nanopt.train.schedule import recovery_lr_multiplier
+from nanopt.train.checkpoint.resume import load_checkpoint
+from nanopt.train.checkpoint.save import wait_for_save
+from nanopt.train.optim.schedule import recovery_lr_multiplier
 from nanopt.train.session import Session
 from nanopt.train.step import TrainingDiverged, diverged
 from nanopt.untrusted_text import shell_word
@@ -66,7 +66,7 @@ class SpikeWatch:
 
 def start_watching(s: Session) -> None:
     """Give the session its SpikeWatch (recovery on), seeded with rank 0's losses from before the checkpoint it
-    resumed from (nanopt.train.resume restores them on rank 0), so every rank watches the same window."""
+    resumed from (nanopt.train.checkpoint.resume restores them on rank 0), so every rank watches the same window."""
     if not s.run.train.recovery:
         return
     history = broadcast_object(s.rt, list(s.spikes.history) if s.spikes is not None else [])

@@ -1,8 +1,8 @@
 """The training loop's side of run health: feed every step's loss and gradient norm, measure at log steps, judge,
 record and announce each verdict once.
 
-The probe (nanopt.train.health_probe) runs on every rank, in the step, at log steps; the monitor
-(nanopt.train.health) on every rank too (pure arithmetic on numbers every rank has), but only rank 0 writes the
+The probe (nanopt.train.health.probe) runs on every rank, in the step, at log steps; the monitor
+(nanopt.train.health.verdicts) on every rank too (pure arithmetic on numbers every rank has), but only rank 0 writes the
 `health` events of metrics.jsonl and hears of them (the observer's `health`, through which the CLI prints the
 verdict and runs the --on-event command). No collective depends on a verdict.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanopt.train.health import HealthMonitor, HealthSettings, Verdict, replay
-from nanopt.train.health_probe import HealthProbe
-from nanopt.train.metrics import iter_metrics
+from nanopt.train.health.probe import HealthProbe
+from nanopt.train.health.verdicts import HealthMonitor, HealthSettings, Verdict, replay
+from nanopt.train.observe.metrics import iter_metrics
 from nanopt.train.session import Session
 
 

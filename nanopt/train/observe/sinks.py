@@ -1,6 +1,6 @@
 """Where else a run's metrics go: TensorBoard and Weights & Biases, fed the very records of metrics.jsonl.
 
-nanopt.train.metrics.MetricsLog.write is the one place every record passes (rank 0 only); it hands each record,
+nanopt.train.observe.metrics.MetricsLog.write is the one place every record passes (rank 0 only); it hands each record,
 as written to metrics.jsonl, to the sinks here. metrics.jsonl stays the source of truth: a sink that fails (its
 package broken, its directory unwritable, its service unreachable) is reported once through the observer and
 dropped for the rest of the session, and training goes on. Sinks are cheap per record (TensorBoard's writer queues

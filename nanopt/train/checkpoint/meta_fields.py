@@ -5,7 +5,7 @@ what the values may be: counters and positions are non-negative integers that fi
 and the metrics are what the training loop can have written, every rank's loader position and RNG state can be
 restored (nanopt.rng), and the optimizer's parameter groups hold finite hyperparameters in range. A checkpoint that
 fails is damaged or foreign: `nanopt train` skips it with a note and resumes from the one before, eval and export
-refuse it in one line. Whether the groups and tensors match the model is nanopt.train.contents' to check.
+refuse it in one line. Whether the groups and tensors match the model is nanopt.train.checkpoint.contents' to check.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _is_loss(value: Any) -> bool:
 
 
 def _check_recovery(recovery: Any, step: int, bad: Bad) -> None:
-    """The rollback counters (nanopt.train.recovery): absent before automatic recovery existed. A ramp starts at
+    """The rollback counters (nanopt.train.guard.recovery): absent before automatic recovery existed. A ramp starts at
     the step rolled back to, never after the checkpoint's own."""
     if recovery is None:
         return
@@ -121,7 +121,8 @@ def _check_recovery(recovery: Any, step: int, bad: Bad) -> None:
 
 
 def _check_loss_scale(loss_scale: Any, bad: Bad) -> None:
-    """fp16's scaler state (nanopt.train.scaling): a positive finite scale, a non-negative count of good steps."""
+    """fp16's scaler state (nanopt.train.precision.scaling): a positive finite scale, a non-negative count of good
+    steps."""
     if loss_scale is None:
         return
     scale = loss_scale.get("scale")

@@ -6,7 +6,7 @@ time and its cost, each with measured / predicted. Shown at the end of every tra
 Measured, over every session so far: tokens/s and step time are the medians of the logged windows (a window's
 own rate, pauses excluded: the first one's torch.compile or a slow evaluation does not move a median); peak memory
 is the largest any log step saw; the steps' time, the whole run's wall time and its cost come from the phases
-records (nanopt.train.phases). Until the run is complete, its totals are what it took so far and have no ratio:
+records (nanopt.train.observe.phases). Until the run is complete, its totals are what it took so far and have no ratio:
 the steps still to run would make any ratio of them wrong.
 
 prediction.json may come from someone else, as the whole run directory may: a field that is missing or not a
@@ -23,8 +23,8 @@ from typing import Any
 from nanopt.errors import NanoptError
 from nanopt.parsing import read_json
 from nanopt.rundir import RunDir
-from nanopt.train.metrics import read_metrics
-from nanopt.train.phases import run_time
+from nanopt.train.observe.metrics import read_metrics
+from nanopt.train.observe.phases import run_time
 
 FORMAT_VERSION = 1
 MAX_TEXT = 80

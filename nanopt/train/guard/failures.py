@@ -12,7 +12,7 @@ from nanopt.errors import DistributedError, NanoptError
 from nanopt.rundir import RunDir
 from nanopt.runtime import quiesce
 from nanopt.train import checkpoint as ckpt
-from nanopt.train.oom import is_out_of_memory, out_of_memory_error
+from nanopt.train.guard.oom import is_out_of_memory, out_of_memory_error
 from nanopt.train.session import Session
 
 # A disk that refuses writes: full, over quota, past a file-size limit, read-only, or not ours to write.

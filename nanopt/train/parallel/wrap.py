@@ -3,7 +3,8 @@ sharded.
 
 train.json's `parallelism`, from the least memory saved to the most (PyTorch's own components throughout):
 ddp           DDP: a whole replica of weights, gradients and optimizer state per rank.
-zero1         DDP, the optimizer state sharded (torch.distributed.optim.ZeroRedundancyOptimizer: nanopt.train.zero).
+zero1         DDP, the optimizer state sharded (torch.distributed.optim.ZeroRedundancyOptimizer:
+              nanopt.train.optim.zero).
 zero2         FSDP2 keeping each block's gathered weights from forward to backward (reshard_after_forward=False):
               gradients and optimizer state sharded, no second all-gather in backward.
 fsdp          FSDP2 (ZeRO-3): weights too sharded, gathered per block in forward and again in backward.
@@ -34,13 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
 from nanopt.runtime import Runtime
-from nanopt.train.fp8 import apply_fp8
-from nanopt.train.graphed_step import GraphedMicroStep
-from nanopt.train.lowbit import is_adamw8bit, plain_state, quantized_state
-from nanopt.train.optim import MuonWithAdamW, optimizers_of
-from nanopt.train.recompute import apply_activation_checkpointing
-from nanopt.train.residual import residual_dtype
-from nanopt.train.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
+from nanopt.train.optim.lowbit import is_adamw8bit, plain_state, quantized_state
+from nanopt.train.optim.optimizer import MuonWithAdamW, optimizers_of
+from nanopt.train.optim.zero import ZeroRedundancyOptimizer, load_zero_state_dict, zero_state_dict
+from nanopt.train.parallel.graphed_step import GraphedMicroStep
+from nanopt.train.parallel.recompute import apply_activation_checkpointing
+from nanopt.train.precision.fp8 import apply_fp8
+from nanopt.train.precision.residual import residual_dtype
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL = StateDictOptions(full_state_dict=True)
@@ -53,7 +54,7 @@ class Prepared:
     ddp: torch.nn.Module | None
     fsdp: bool
     compiled: bool
-    graphed: GraphedMicroStep | None = None  # train.json's cuda_graphs (nanopt.train.graphed_step)
+    graphed: GraphedMicroStep | None = None  # train.json's cuda_graphs (nanopt.train.parallel.graphed_step)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on accumulation micro-steps before the last one."""
@@ -82,10 +83,12 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
 
 def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     model.to(rt.device)
-    # FP8 layers before FSDP2 (its FP8 all-gather) and compile; checked at session start (nanopt.train.fp8). The FP8
-    # all-gather only where FSDP2 keeps the weights on the GPU (fsdp, zero2); offload's gather stays bf16 (untested).
+    # FP8 layers before FSDP2 (its FP8 all-gather) and compile; checked at session start (nanopt.train.precision.fp8).
+    # The FP8 all-gather only where FSDP2 keeps the weights on the GPU (fsdp, zero2); offload's gather stays bf16
+    # (untested).
     apply_fp8(model, cfg.fp8, rt.world_size if cfg.parallelism in ("fsdp", "zero2") else 1)
-    model.residual_dtype = residual_dtype(cfg.bf16_residual)  # checked at session start (nanopt.train.residual)
+    # checked at session start (nanopt.train.precision.residual)
+    model.residual_dtype = residual_dtype(cfg.bf16_residual)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     compiled = resolve_compile(cfg.compile, rt.device)
     if cfg.parallelism in FSDP2_CHOICES and rt.distributed:
@@ -141,7 +144,7 @@ FSDP2_CHOICES = ("zero2", "fsdp", "fsdp_offload")
 
 
 def shards_optimizer_only(cfg: TrainConfig, rt: Runtime) -> bool:
-    """ZeRO-1: DDP's replicas, the optimizer state sharded (nanopt.train.zero)."""
+    """ZeRO-1: DDP's replicas, the optimizer state sharded (nanopt.train.optim.zero)."""
     return cfg.parallelism == "zero1" and rt.distributed
 
 
@@ -213,7 +216,8 @@ def load_sharded_state(prepared: Prepared, optimizer: torch.optim.Optimizer | Mu
 
 
 def _stored(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer state as a checkpoint stores it: 8-bit moments as their plain tensors (nanopt.train.lowbit)."""
+    """The optimizer state as a checkpoint stores it: 8-bit moments as their plain tensors
+    (nanopt.train.optim.lowbit)."""
     return plain_state(state) if is_adamw8bit(optimizer) else state
 
 

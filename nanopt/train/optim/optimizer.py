@@ -1,10 +1,11 @@
-"""The optimizer, chosen by train.json's `optimizer`; the LR is set per step from nanopt.train.schedule.
+"""The optimizer, chosen by train.json's `optimizer`; the LR is set per step from nanopt.train.optim.schedule.
 
 adamw   AdamW on everything, weight decay on matrices and embeddings only.
 muon    Muon (torch.optim.Muon: momentum, then Newton-Schulz orthogonalization of each update) on the hidden 2-D
         matrices (the attention and MLP projections of every block), AdamW on the embeddings, the output head,
         norms and biases, which Muon is not meant for. One MuonWithAdamW object steps both. Whole matrices (one
-        process, DDP) are stepped by nanopt.train.muon_step, torch's step batched by shape: a tenth of the launches.
+        process, DDP) are stepped by nanopt.train.optim.muon_step, torch's step batched by shape: a tenth of the
+        launches.
 
 Under FSDP2 each Muon matrix is a DTensor of which a rank holds some rows, and Muon must orthogonalize the whole
 matrix: `sharded_muon_step` keeps momentum and weight updates on the local rows and gives each rank its share of
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanopt.config import TrainConfig
 from nanopt.errors import ConfigError
-from nanopt.train.muon_step import batched_muon_step, batched_step_supported, indices_by_shape
+from nanopt.train.optim.muon_step import batched_muon_step, batched_step_supported, indices_by_shape
 
 MUON_MOMENTUM = 0.95
 
@@ -69,7 +70,7 @@ class MuonWithAdamW:
     """Muon for the hidden matrices and AdamW for the rest, used like one torch optimizer: step, zero_grad,
     param_groups (AdamW's first, so param_groups[0]["lr"] is the `learning_rate` schedule), state_dict.
 
-    nanopt.train.parallel hands `optimizers` to torch.distributed.checkpoint, which merges both into one state
+    nanopt.train.parallel.wrap hands `optimizers` to torch.distributed.checkpoint, which merges both into one state
     keyed by parameter name, so checkpoints keep the "<parameter name>/<state name>" layout of AdamW runs.
     """
 
@@ -79,7 +80,7 @@ class MuonWithAdamW:
         self.muon = muon
         self.muon_lr_scale = muon_lr_scale  # muon_learning_rate / learning_rate: fixed by the config, never saved
         self.sharded = sharded  # the Muon matrices are FSDP2 shards: stepped by sharded_muon_step
-        # Whole matrices: torch's step, batched by shape (nanopt.train.muon_step), where this torch allows it.
+        # Whole matrices: torch's step, batched by shape (nanopt.train.optim.muon_step), where this torch allows it.
         self.batched = not sharded and batched_step_supported(muon)
 
     @property
@@ -114,17 +115,17 @@ class MuonWithAdamW:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
                     shard_states: bool = False) -> torch.optim.Optimizer | MuonWithAdamW:
     """The optimizer train.json names; `shard_states`: its state sharded across the ranks (ZeRO-1, AdamW only:
-    nanopt.train.zero)."""
+    nanopt.train.optim.zero)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if cfg.optimizer == "adamw" and shard_states:
-        from nanopt.train.zero import build_zero_adamw
+        from nanopt.train.optim.zero import build_zero_adamw
 
         return build_zero_adamw(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
                                 (cfg.beta1, cfg.beta2), cfg.adam_eps, _fused([p for _, p in named]))
     if cfg.optimizer == "adamw":
         return _adamw([p for _, p in named], cfg, device)
     if cfg.optimizer == "adamw8bit":
-        from nanopt.train.lowbit import build_adamw8bit
+        from nanopt.train.optim.lowbit import build_adamw8bit
 
         return build_adamw8bit(decay_groups([p for _, p in named], cfg.weight_decay), cfg.learning_rate,
                                (cfg.beta1, cfg.beta2), cfg.adam_eps)

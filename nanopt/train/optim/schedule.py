@@ -48,7 +48,7 @@ def scheduled_lr(step: int, total_steps: int, cfg: TrainConfig) -> float:
 
 
 def recovery_lr_multiplier(step: int, ramp_start: int, factor: float, ramp_steps: int) -> float:
-    """The multiplier on lr_at after an automatic rollback (nanopt.train.recovery) to step `ramp_start`: `factor`
+    """The multiplier on lr_at after an automatic rollback (nanopt.train.guard.recovery) to step `ramp_start`: `factor`
     there, rising linearly to 1 over `ramp_steps` steps; 1 when there was no rollback (factor 1)."""
     if factor >= 1 or step >= ramp_start + ramp_steps:
         return 1.0

@@ -148,8 +148,8 @@ def slowdown_note(found: Slowdown, device: str, threads: Any, run: str) -> str:
 
 
 def _saving_during(s: Any, since: float) -> bool:
-    """Whether a checkpoint was being written in the background (nanopt.train.save) at some time after `since`
-    (time.perf_counter()): our own work on the CPU, which slows the steps beside it."""
+    """Whether a checkpoint was being written in the background (nanopt.train.checkpoint.save) at some time after
+    `since` (time.perf_counter()): our own work on the CPU, which slows the steps beside it."""
     pending = getattr(s, "pending_save", None)
     if pending is None:
         return False

@@ -2,8 +2,8 @@
 
 The step is blocked only while the state is copied to host memory; the files are written in the background:
 - one process: a thread writes the full layout (two safetensors files) and publishes the checkpoint;
-- several ranks: every rank hands the shards it holds to DCP's asynchronous save (nanopt.train.sharded), which
-  writes them in a thread; once all are written, rank 0 publishes. No rank ever gathers the whole model.
+- several ranks: every rank hands the shards it holds to DCP's asynchronous save (nanopt.train.checkpoint.sharded),
+  which writes them in a thread; once all are written, rank 0 publishes. No rank ever gathers the whole model.
 Publishing (nanopt.train.checkpoint.publish) renames the finished directory into place and then moves `latest`, so
 a crash during a background save leaves `latest` on the previous complete checkpoint.
 
@@ -30,9 +30,9 @@ from nanopt.errors import CheckpointError, NanoptError
 from nanopt.rundir import step_dir_name
 from nanopt.runtime import all_gather_object, broadcast_object, new_cpu_group
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import sharded
-from nanopt.train.parallel import sharded_state, tied_aliases
-from nanopt.train.resume import data_fingerprint
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.resume import data_fingerprint
+from nanopt.train.parallel.wrap import sharded_state, tied_aliases
 from nanopt.train.session import Session
 
 
@@ -154,8 +154,8 @@ def _meta(s: Session, rank_states: list) -> dict[str, Any]:
 
 
 def _stager(s: Session) -> Any:
-    """The session's stager (nanopt.train.sharded.new_stager), made at its first save and kept: its host copy of
-    the state is reused by every later save. The previous save is always complete before the next copy starts.
+    """The session's stager (nanopt.train.checkpoint.sharded.new_stager), made at its first save and kept: its host copy
+    of the state is reused by every later save. The previous save is always complete before the next copy starts.
     None with checkpoint_async false: each save's copy is freed once written."""
     if not s.run.train.checkpoint_async:
         return None

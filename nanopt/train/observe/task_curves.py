@@ -1,4 +1,4 @@
-"""Downstream task accuracy on the run's loss chart (nanopt.train.metrics.loss_chart): from metrics.jsonl's eval
+"""Downstream task accuracy on the run's loss chart (nanopt.train.observe.metrics.loss_chart): from metrics.jsonl's eval
 records, whose task_NAME_METRIC keys nanopt.train.downstream writes."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from nanopt.train.health_window import Block, RatioBins, WindowStats, finite, loss_fall
+from nanopt.train.health.window import Block, RatioBins, WindowStats, finite, loss_fall
 
 VERDICTS = ("initial_loss", "plateau", "stagnating_updates", "exploding_gradients")
 

@@ -1,6 +1,6 @@
 """RUN/eval_history.jsonl read back: the run's test-loss results that nanopt's readers can use (the format and the
-writer: nanopt.evaluate.history). Here, below evaluate, so the run's own loss chart (nanopt.train.metrics) can draw
-the test loss that `nanopt eval --watch` measures beside the training.
+writer: nanopt.evaluate.history). Here, below evaluate, so the run's own loss chart (nanopt.train.observe.metrics) can
+draw the test loss that `nanopt eval --watch` measures beside the training.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ class TrainObserver(Protocol):
         (in steps and evaluation)."""
 
     def health(self, verdict: dict[str, Any]) -> None:
-        """A health verdict (nanopt.train.health), once per run: the `health` event of metrics.jsonl (step, verdict,
-        message, advice)."""
+        """A health verdict (nanopt.train.health.verdicts), once per run: the `health` event of metrics.jsonl (step,
+        verdict, message, advice)."""
 
     def stop(self) -> None: ...
 

@@ -1,5 +1,5 @@
-"""Run health's measurements of spans of steps (nanopt.train.health judges them): blocks of every step's loss and
-gradient norm, and bins of the update ratios measured at log steps.
+"""Run health's measurements of spans of steps (nanopt.train.health.verdicts judges them): blocks of every step's loss
+and gradient norm, and bins of the update ratios measured at log steps.
 
 Both are cut on one grid of `block_steps` consecutive steps (steps 1..B, B+1..2B, ...), which depends on the run's
 length only: never on how often it logs, so neither does any verdict read from them. A block keeps sums and order
@@ -18,7 +18,7 @@ from typing import Any
 
 from nanopt.parsing import INT64_MAX
 
-MATRIX_GROUPS = ("decay", "muon")  # the weight matrices' groups (nanopt.train.health_probe names them)
+MATRIX_GROUPS = ("decay", "muon")  # the weight matrices' groups (nanopt.train.health.probe names them)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The health signals measured on the device, at log steps only (nanopt.train.health judges them).
+"""The health signals measured on the device, at log steps only (nanopt.train.health.verdicts judges them).
 
 On a step whose record will be logged, the step asks the probe for
 - the gradient norm of each block (`embed_tokens`, `layers.N`, `norm`, `lm_head` when untied), before clipping:

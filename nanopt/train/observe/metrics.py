@@ -2,8 +2,8 @@
 
 metrics.jsonl is the source of truth: one JSON object per line, `{"kind": "train", ...}` per logged step,
 `{"kind": "eval", ...}` per evaluation, `{"kind": "event", ...}` for skipped steps, spikes, resumes and the like, and
-`{"kind": "phases", ...}` for the time each session spent per phase (nanopt.train.phases). Every record carries
-`time`, the wall clock (Unix seconds) when it was written. Read back through nanopt.train.records, which skips
+`{"kind": "phases", ...}` for the time each session spent per phase (nanopt.train.observe.phases). Every record carries
+`time`, the wall clock (Unix seconds) when it was written. Read back through nanopt.train.observe.records, which skips
 any line that is not a record of the types written here.
 """
 
@@ -22,17 +22,17 @@ from nanopt.errors import NanoptError
 from nanopt.files import append_whole, replacing
 from nanopt.parsing import INT64_MAX
 from nanopt.rundir import RunDir
-from nanopt.train.eval_history import loss_by_tokens, read_history
-from nanopt.train.records import iter_records, metrics_lines, parse_record, read_records
-from nanopt.train.task_curves import draw_task_accuracy
+from nanopt.train.observe.eval_history import loss_by_tokens, read_history
+from nanopt.train.observe.records import iter_records, metrics_lines, parse_record, read_records
+from nanopt.train.observe.task_curves import draw_task_accuracy
 
 if TYPE_CHECKING:
-    from nanopt.train.sinks import Sinks
+    from nanopt.train.observe.sinks import Sinks
 
 
 class MetricsLog:
     """Appends records to runs/NAME/metrics.jsonl (rank 0 only), flushed per line so a kill loses nothing, and hands
-    each record, as written, to the session's sinks (TensorBoard, W&B: nanopt.train.sinks)."""
+    each record, as written, to the session's sinks (TensorBoard, W&B: nanopt.train.observe.sinks)."""
 
     def __init__(self, run_dir: Path, enabled: bool, sinks: Sinks | None = None) -> None:
         self.path = RunDir(run_dir).metrics
@@ -87,13 +87,13 @@ def _kept(record: dict[str, Any] | None, step: int) -> bool:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of runs/NAME/metrics.jsonl that nanopt can use (nanopt.train.records), in the order written, all
-    in memory (several times the file's size: iter_metrics reads it in bounded memory)."""
+    """The records of runs/NAME/metrics.jsonl that nanopt can use (nanopt.train.observe.records), in the order written,
+    all in memory (several times the file's size: iter_metrics reads it in bounded memory)."""
     return read_records(RunDir(run_dir).metrics)
 
 
 def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The records of read_metrics, one at a time: memory bounded by one line (nanopt.train.records)."""
+    """The records of read_metrics, one at a time: memory bounded by one line (nanopt.train.observe.records)."""
     return iter_records(RunDir(run_dir).metrics)
 
 

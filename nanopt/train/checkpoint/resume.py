@@ -4,7 +4,7 @@ Three kinds of setting:
 - free: logging, eval and checkpoint cadence, compile, activation checkpointing; they do not change the maths.
 - allowed with --allow-changed: the learning-rate schedule, the budget, clipping, weight decay and the micro-batch
   size (the global batch stays); the micro-batch is free when the world size changed too, and a resume on a
-  world size that cannot take train.json's lowers it by itself (nanopt.train.world_fit).
+  world size that cannot take train.json's lowers it by itself (nanopt.train.parallel.world_fit).
 - the world size is free too: the loader's position is global (the same samples follow on any number of ranks)
   and either checkpoint layout reshards the optimizer state, so an elastic restart on fewer or more ranks needs
   no person. Exact: the data order and the state; not bitwise: the losses (sums reduced in another order), and
@@ -27,11 +27,16 @@ from nanopt.errors import CheckpointError, ResumeError
 from nanopt.files import make_dir
 from nanopt.runtime import new_cpu_group, restarts
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import sharded
-from nanopt.train.contents import DamagedState, state_values_problem
-from nanopt.train.lowbit import check_stored_moments, is_adamw8bit
-from nanopt.train.metrics import iter_metrics
-from nanopt.train.parallel import load_full_model_state, load_full_optimizer_state, load_sharded_state, sharded_state
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.contents import DamagedState, state_values_problem
+from nanopt.train.observe.metrics import iter_metrics
+from nanopt.train.optim.lowbit import check_stored_moments, is_adamw8bit
+from nanopt.train.parallel.wrap import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    load_sharded_state,
+    sharded_state,
+)
 from nanopt.train.session import Session
 
 # `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
@@ -156,7 +161,7 @@ def _load_usable(s: Session, found: ckpt.Checkpoint) -> ckpt.Checkpoint:
 
 def load_checkpoint(s: Session, found: ckpt.Checkpoint) -> None:
     """Put a live session back to `found`: weights, optimizer moments, counters, loader position and RNGs (on
-    resume, and on an automatic rollback: nanopt.train.recovery). Either layout, written on any world size: each
+    resume, and on an automatic rollback: nanopt.train.guard.recovery). Either layout, written on any world size: each
     rank reads the part it holds now. A weights-only checkpoint restores the weights alone: the optimizer
     and the train state stay as a fresh session made them (step 0)."""
     if found.meta.get("weights_only") is True:
