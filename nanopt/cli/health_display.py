@@ -67,7 +67,7 @@ def show_health(run_dirs: list[Path], as_json: bool) -> None:
     from nanopt.cli.app import console, print_json
     from nanopt.config import load_run
     from nanopt.errors import ConfigError
-    from nanopt.evaluate.health import health_report
+    from nanopt.train.health.replay import health_report
 
     reports = []
     for run_dir in run_dirs:

@@ -31,7 +31,6 @@ from nanopt.data.loader import EVAL_SLICE_VERSION
 from nanopt.data.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.compare import training_record
-from nanopt.evaluate.health import run_health
 from nanopt.evaluate.history import append_result
 from nanopt.evaluate.reuse import NotReusable, measured, previous_result
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
@@ -53,6 +52,7 @@ from nanopt.runtime import (
 )
 from nanopt.train.checkpoint import Checkpoint
 from nanopt.train.checkpoint.resume import data_fingerprint
+from nanopt.train.health.replay import run_health
 from nanopt.train.validation import LossResult, evaluate_by_source
 from nanopt.untrusted_text import shell_word
 
