@@ -26,7 +26,7 @@ kernel's peak is reset to the current resident set, and "RSS +MiB" is how far th
 save (for async, until the first save is published), on rank 0 and the largest on any rank. "peak MiB" is rank 0's
 highest resident set over its whole life (model, step and save). Rank 0's increase should stay flat, or shrink, as
 the world grows: no rank holds more than its shards. Each method runs in fresh processes, and tensors of 1 MiB and
-more are mapped and unmapped one by one (nanopt.data.heap.fix_mmap_threshold), so that memory the model's
+more are mapped and unmapped one by one (nanopt.data.tokenize.heap.fix_mmap_threshold), so that memory the model's
 construction, the step or another save freed cannot hide what a save needs.
 
 Everything is written under a temporary directory that is removed at the end. Prints a table, then one JSON line
@@ -52,8 +52,8 @@ import torch
 import torch.multiprocessing as mp
 
 from nanopt.config import ModelConfig, load_run
-from nanopt.data.heap import fix_mmap_threshold
-from nanopt.data.pipeline import build_dataset
+from nanopt.data.tokenize.heap import fix_mmap_threshold
+from nanopt.data.tokenize.pipeline import build_dataset
 from nanopt.devices import _reset_rss_peak, _rss_bytes
 from nanopt.model.flops import count_params
 from nanopt.rundir import RunDir

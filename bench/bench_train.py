@@ -69,7 +69,8 @@ class RandomTokens:
         """Nothing to read ahead (TrainLoader plans its next read here, before the step's host sync)."""
 
     def accum_at(self, step: int) -> int:
-        """Micro-batches per optimizer step, as nanopt.data.loader.TrainLoader answers (one process, no warmup)."""
+        """Micro-batches per optimizer step, as nanopt.data.loaders.loader.TrainLoader answers (one process, no
+        warmup)."""
         return self.accum
 
     def samples_in(self, step: int) -> int:

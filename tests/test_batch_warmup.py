@@ -88,7 +88,7 @@ def _samples(loader, steps):
 
 def test_the_loader_hands_out_each_steps_samples_once_on_any_world_size(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
 
     ramp = BatchRamp(64, 256, 1000)  # seq_len 16: 4 sequences growing to 16
     dataset = TokenDataset.open(tiny_dataset)

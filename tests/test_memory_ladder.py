@@ -51,7 +51,7 @@ def train_changed_in_rank(run: Path, overrides: dict) -> dict:
 def _kill_at(step: int, checkpoints: Path, latest: str) -> None:
     import time
 
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
     from nanopt.train.checkpoint import read_pointer
 
     original = TrainLoader.next_batch

@@ -1,6 +1,6 @@
-"""Sequence-length stages (train.json seq_len_stages, nanopt.config.seq_stages, nanopt.data.staged_loader): where a
-stage starts and what it trains, the learning rate across a boundary, each stage's windows read once on any world
-size, the estimate / find-batch / preflight at the longest stage, the one-line refusals, and exact resume across a
+"""Sequence-length stages (train.json seq_len_stages, nanopt.config.seq_stages, nanopt.data.loaders.staged_loader):
+where a stage starts and what it trains, the learning rate across a boundary, each stage's windows read once on any
+world size, the estimate / find-batch / preflight at the longest stage, the one-line refusals, and exact resume across a
 boundary by real killed processes on one and two ranks."""
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _handed(loader, steps):
 
 def test_the_loader_hands_each_stages_windows_once_from_where_the_tokens_put_it(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.permutation import FeistelPermutation
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.permutation import FeistelPermutation
+    from nanopt.data.loaders.staged_loader import StagedLoader
 
     dataset = TokenDataset.open(tiny_dataset)
     one = StagedLoader(dataset, "train", STAGES, 2, 0, 1, seed=3)
@@ -102,7 +102,7 @@ def test_the_loader_hands_each_stages_windows_once_from_where_the_tokens_put_it(
 
 def test_the_loader_state_resumes_in_its_stage(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.staged_loader import StagedLoader
     from nanopt.errors import ResumeError
 
     dataset = TokenDataset.open(tiny_dataset)

@@ -270,7 +270,7 @@ def test_a_named_pipe_for_metrics_jsonl_is_one_line_not_a_hang(trained: Path, tm
 
 def test_tokenize_does_not_block_on_a_named_pipe_where_meta_json_belongs(tiny_dataset: Path, tmp_path: Path):
     from nanopt.data.output import is_dataset
-    from nanopt.data.tokenizer import load_tokenizer
+    from nanopt.data.tokenizers.tokenizer import load_tokenizer
 
     data = copy_of(tiny_dataset, tmp_path)
     make_fifo(data / "meta.json")

@@ -124,7 +124,7 @@ def estimate_command(
                           "add --flops C, e.g. --flops 1e21")
     report = estimate(run, opts)
     if run is not None and run.mixture is not None:  # what each source of a mixture gives the run
-        from nanopt.data.mixture_plan import plan_records
+        from nanopt.data.mixtures.mixture_plan import plan_records
 
         report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
     if write_model is not None:

@@ -39,7 +39,7 @@ def source_tables(summary: dict[str, Any]) -> list[Table]:
 
 
 def plan_table(plans: list[dict[str, Any]], title: str) -> Table:
-    """nanopt.data.mixture_plan's records: what the run reads from each source, and whether each holds it."""
+    """nanopt.data.mixtures.mixture_plan's records: what the run reads from each source, and whether each holds it."""
     table = Table(title=escape(title), title_justify="left")
     for column in ("source", "weight", "run reads", "one pass needs", "train split", "epochs", ""):
         table.add_column(column, justify="left" if column in ("source", "") else "right")

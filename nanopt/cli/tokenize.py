@@ -116,9 +116,9 @@ def tokenize_command(
 ) -> None:
     """Tokenize a corpus into train / val / test shards of token ids, with the tokenizer and a meta.json."""
     from nanopt.data.budget import parse_token_count, resolve_max_tokens
-    from nanopt.data.pipeline import build_dataset
-    from nanopt.data.settings import refuse_empty_held_out
-    from nanopt.data.tokenizer import set_threads
+    from nanopt.data.tokenize.pipeline import build_dataset
+    from nanopt.data.tokenize.settings import refuse_empty_held_out
+    from nanopt.data.tokenizers.tokenizer import set_threads
 
     refuse_empty_held_out(val_fraction, test_fraction)
     set_threads(threads)
@@ -137,7 +137,7 @@ def tokenize_command(
         summary = build_dataset(out, source, progress=reporter, **settings)
     if run_dir is not None:  # a run on a mixture: what each source must hold, this one now made
         from nanopt.config import load_run
-        from nanopt.data.mixture_plan import plan_records
+        from nanopt.data.mixtures.mixture_plan import plan_records
 
         summary["mixture_plan"] = plan_records(load_run(run_dir))
     if as_json:
@@ -150,7 +150,7 @@ def _progress():
     """A rich progress bar on stderr (nothing when stderr is not a terminal), as a pipeline ProgressReporter."""
     import rich.progress as rp
 
-    from nanopt.data.pipeline import ProgressReporter
+    from nanopt.data.tokenize.pipeline import ProgressReporter
 
     err = console(stderr=True)
     bar = rp.Progress(rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.BarColumn(),

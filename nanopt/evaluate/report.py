@@ -4,7 +4,7 @@ The test split is never read by training (train split) or its in-loop evaluation
 number to compare runs by. It is measured on a fixed slice: the split's first `tokens` targets (every token but
 the first with `all`, or when the split is smaller), cut into the loader's seq_len windows, the last one partial, so
 every evaluation of a checkpoint scores the same tokens on any number of ranks and any micro-batch size (see
-nanopt.data.loader.eval_batches). The result says how many tokens were scored, of how many in the split.
+nanopt.data.loaders.loader.eval_batches). The result says how many tokens were scored, of how many in the split.
 
 Bits per byte = loss (nats per token) / ln 2 / (UTF-8 bytes per token of the split). It does not depend on the
 tokenizer, so it compares runs whose tokenizers differ; loss and perplexity only compare runs sharing one.
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import MAX_MODEL_DIMENSION
-from nanopt.data.loader import EVAL_SLICE_VERSION
-from nanopt.data.mixture import run_eval_batches
+from nanopt.data.loaders.loader import EVAL_SLICE_VERSION
+from nanopt.data.mixtures.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.compare import training_record
 from nanopt.evaluate.history import append_result

@@ -80,8 +80,8 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
         report = build_report(run, rt, opts.price_per_hour, measured)
         if rt.cpu_threads is not None:  # on the CPU the threads decide the step time measured: how many, and why
             report["device"]["cpu_threads"] = rt.cpu_threads.record()
-        if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixture_plan)
-            from nanopt.data.mixture_plan import plan_records
+        if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixtures.mixture_plan)
+            from nanopt.data.mixtures.mixture_plan import plan_records
 
             report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
         if rt.is_main:
@@ -125,7 +125,7 @@ def _micro_batch(run: RunConfig, opts: PreflightOptions,
 
 def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float, micro_batch: dict[str, Any],
              progress: Progress) -> Measured:
-    from nanopt.data.mixture import open_run_data
+    from nanopt.data.mixtures.mixture import open_run_data
     from nanopt.plan.profile import TimedLoader
     from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session

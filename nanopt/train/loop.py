@@ -301,7 +301,7 @@ def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
 
 def validation_batches(s: Session) -> Any:
     """The slice of the validation split in-loop evaluation reads (also what preflight times)."""
-    from nanopt.data.mixture import run_eval_batches
+    from nanopt.data.mixtures.mixture import run_eval_batches
 
     return run_eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
                             s.rt.world_size, s.run.train.eval_tokens)

@@ -107,8 +107,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     loop warns that the data repeats.
     """
     from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, check_document_eos
-    from nanopt.data.loader import check_compatible
-    from nanopt.data.mixture import open_run_data
+    from nanopt.data.loaders.loader import check_compatible
+    from nanopt.data.mixtures.mixture import open_run_data
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
@@ -157,9 +157,9 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
 def _train_loader(run: RunConfig, dataset: Any, accum: int, rt: Runtime) -> Any:
     """The loader of the run's training data: a mixture's, one per sequence-length stage, or one TrainLoader
     (with batch warmup's batches). Stages refuse a mixture and a ramp, and a mixture refuses a ramp."""
-    from nanopt.data.loader import TrainLoader
-    from nanopt.data.mixture import MixtureData, MixtureLoader
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.loader import TrainLoader
+    from nanopt.data.loaders.staged_loader import StagedLoader
+    from nanopt.data.mixtures.mixture import MixtureData, MixtureLoader
 
     args = ("train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size, run.train.seed)
     if isinstance(dataset, MixtureData):

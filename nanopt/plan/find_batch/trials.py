@@ -162,7 +162,7 @@ class ProcessTrials:
         self.ctx = multiprocessing.get_context("forkserver")
         # Imported once in the server, so a trial starts in well under a second (never CUDA: that stays per trial).
         self.ctx.set_forkserver_preload(["__main__", "nanopt.plan.find_batch.trials", "nanopt.train.loop",
-                                         "nanopt.model.transformer", "nanopt.data.loader"])
+                                         "nanopt.model.transformer", "nanopt.data.loaders.loader"])
 
     def device_facts(self) -> dict[str, Any]:
         """{cuda, precision, compiled, device_memory_bytes}, asked in a process forked from the server, so this one

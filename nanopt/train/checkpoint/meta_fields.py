@@ -20,7 +20,7 @@ from nanopt.rng import rng_state_problem
 
 Bad = Callable[[str], CheckpointError]
 
-# The loader's position (nanopt.data.loader.TrainLoader.state_dict); the other keys it holds are compared with
+# The loader's position (nanopt.data.loaders.loader.TrainLoader.state_dict); the other keys it holds are compared with
 # the live loader's by the loader itself.
 _LOADER_COUNTS = ("step", "micro_step", "samples_per_step", "grad_accum", "micro_batch_size", "world_size",
                   "num_windows", "seq_len", "seed")

@@ -19,7 +19,7 @@ from typing import Any
 
 from nanopt.config import RunConfig, load_run
 from nanopt.config.load import model_config_from_snapshot, train_config_from_snapshot
-from nanopt.data.mixture import open_run_data
+from nanopt.data.mixtures.mixture import open_run_data
 from nanopt.errors import NanoptError
 from nanopt.rundir import RunDir
 from nanopt.train.checkpoint.meta import read_meta

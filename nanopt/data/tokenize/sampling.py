@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from nanopt.data.sources import SizeHint, Source
-from nanopt.data.textcheck import TextFile
+from nanopt.data.corpus.sources import SizeHint, Source
+from nanopt.data.corpus.textcheck import TextFile
 
 _DRAWS = 4096  # uniform draws made at once; the decisions do not depend on it
 

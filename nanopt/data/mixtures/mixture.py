@@ -2,12 +2,12 @@
 
 `open_run_data` opens what train.json's `data` names: one TokenDataset, or a MixtureData of every source, after
 checking that they share one tokenizer (tokenizer.json's sha256), before any step. `MixtureLoader` is the
-TrainLoader over a mixture: global sample k comes from the source nanopt.data.interleave places there (a pure
+TrainLoader over a mixture: global sample k comes from the source nanopt.data.mixtures.interleave places there (a pure
 function of k and the phases), and is that source's window perm_e(m mod W) of its epoch e = m // W, where m is how
 many samples the source gave before k and perm_e a Feistel permutation keyed by (seed, source name, e). So a source
 that runs out starts its next epoch on its own, with a new order, and the position (step, micro-step) is all a
 checkpoint needs: the samples of a step, their split across ranks, resuming on another world size and the token-id
-check are exactly the single-dataset loader's (nanopt.data.loader).
+check are exactly the single-dataset loader's (nanopt.data.loaders.loader).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import numpy as np
 
 from nanopt.config.mixture import Mixture
 from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, TokenDataset, open_run_dataset
-from nanopt.data.interleave import Interleave
-from nanopt.data.loader import (  # with the single-dataset loader's own steps
+from nanopt.data.loaders.loader import (  # with the single-dataset loader's own steps
     CHECK_CHUNK_TOKENS,
     EvalBatches,
     TrainLoader,
@@ -31,7 +30,8 @@ from nanopt.data.loader import (  # with the single-dataset loader's own steps
     check_token_ids,
     eval_batches,
 )
-from nanopt.data.permutation import FeistelPermutation
+from nanopt.data.loaders.permutation import FeistelPermutation
+from nanopt.data.mixtures.interleave import Interleave
 from nanopt.errors import DataError, ResumeError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The `datasets` library's side of reading a corpus: streams of local files and hub datasets, directories written
 by `save_to_disk`, and a text column read from any of them in batches, every failure one DataError.
 
-`datasets` is imported only inside these functions (it is optional: nanopt.data.plain_files reads text and JSON
+`datasets` is imported only inside these functions (it is optional: nanopt.data.corpus.plain_files reads text and JSON
 files without it) and its log records are held back while a call may fail, so a failure prints nanopt's one line
 only. Reading never runs code: `load_from_disk` memory-maps Arrow files and reads JSON.
 """
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nanopt.data.plain_files import check_column, datasets_installed, needs_datasets
-from nanopt.data.textcheck import first_line
+from nanopt.data.corpus.plain_files import check_column, datasets_installed, needs_datasets
+from nanopt.data.corpus.textcheck import first_line
 from nanopt.errors import DataError
 
 _ITER_BATCH = 1024  # rows fetched at once from a `datasets` stream

@@ -1,6 +1,6 @@
 """How a corpus becomes a dataset: the tokenize settings, their defaults and their range checks.
 
-Recorded in meta.json; the same source and settings give the same shards (nanopt.data.pipeline).
+Recorded in meta.json; the same source and settings give the same shards (nanopt.data.tokenize.pipeline).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nanopt.config import MAX_MODEL_DIMENSION, TrainConfig, load_run
-from nanopt.data.shuffle import MAX_SHUFFLE_BUFFER
-from nanopt.data.sources import Source
-from nanopt.data.textcheck import DECODE_ERROR_POLICIES
-from nanopt.data.tokenizer import MIN_VOCAB_SIZE, check_vocab_size
+from nanopt.data.corpus.sources import Source
+from nanopt.data.corpus.textcheck import DECODE_ERROR_POLICIES
+from nanopt.data.tokenize.shuffle import MAX_SHUFFLE_BUFFER
+from nanopt.data.tokenizers.tokenizer import MIN_VOCAB_SIZE, check_vocab_size
 from nanopt.errors import ConfigError
 from nanopt.parsing import INT64_MAX, check_option
 
@@ -33,7 +33,7 @@ MAX_SAMPLE_MIB = 1 << 20
 @dataclass(frozen=True)
 class RunEval:
     """What the run given with --run evaluates: its eval_tokens, in windows of seq_len + 1 tokens at stride seq_len
-    (nanopt.data.loader.eval_batches); a split shorter than one window cannot be evaluated at all."""
+    (nanopt.data.loaders.loader.eval_batches); a split shorter than one window cannot be evaluated at all."""
 
     run: str
     eval_tokens: int
@@ -71,22 +71,22 @@ class TokenizeSettings:
     eos_token: str | None = None  # for loaded tokenizers whose end-of-text token cannot be detected
     tokenizer_sample_bytes: int = 64 << 20  # train the BPE on the first this-many bytes of training documents
     # Held out for val / test: documents whose hash falls below the fraction, in source order, until the split has
-    # the tokens; see nanopt.data.documents.SplitRule. Neither given: HELD_OUT_FRACTION and the run's eval_tokens
-    # (DEFAULT_HELD_OUT_TOKENS without --run). A fraction given alone: no token target, every such document.
+    # the tokens; see nanopt.data.tokenize.documents.SplitRule. Neither given: HELD_OUT_FRACTION and the run's
+    # eval_tokens (DEFAULT_HELD_OUT_TOKENS without --run). A fraction given alone: no token target, every such document.
     val_fraction: float | None = None
     test_fraction: float | None = None
     val_tokens: int | None = None
     test_tokens: int | None = None
     shard_tokens: int = 100_000_000
     max_tokens: int | None = None  # stop once the train split has this many tokens
-    sample: float | None = None  # keep each document with this probability (nanopt.data.sampling); None: all
+    sample: float | None = None  # keep each document with this probability (nanopt.data.tokenize.sampling); None: all
     sample_seed: int = 0  # which documents --sample keeps
     max_tokens_as_given: str | None = None  # --max-tokens as typed (e.g. "chinchilla"), to name it in messages
     run: str | None = None  # a run directory: sets the default val / test tokens; its eval batch is checked
     batch_size: int = 256  # documents (or pieces of long ones) per encode call
     on_decode_error: str = "replace"  # bytes that are not UTF-8 in local files: "replace" (U+FFFD) or "refuse"
-    # Read the source through a shuffle buffer of this many documents (nanopt.data.shuffle), drawn with shuffle_seed
-    # (default 0): a sorted source gives unsorted splits and training order. None: source order.
+    # Read the source through a shuffle buffer of this many documents (nanopt.data.tokenize.shuffle), drawn with
+    # shuffle_seed (default 0): a sorted source gives unsorted splits and training order. None: source order.
     shuffle_buffer: int | None = None
     shuffle_seed: int | None = None
     force: bool = False

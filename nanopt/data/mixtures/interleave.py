@@ -8,7 +8,7 @@ gains its quota of credit and the pick pays the block back, so each source's cou
 within one sample of its share. Repeating the block therefore holds every source near its weight in every window of
 samples, not only on average: the count of source i among any n consecutive samples is n * w_i +- 2.
 
-Sample k of the run (numbered over all ranks, as nanopt.data.loader numbers them) belongs to the last phase that
+Sample k of the run (numbered over all ranks, as nanopt.data.loaders.loader numbers them) belongs to the last phase that
 starts at or before it; its source is the block's entry at its offset in the phase, and its index within that
 source (how many samples the source gave before it, over all earlier phases too) is counted in O(1) from the quotas
 and per-block prefix counts. Nothing here depends on the rank, the world size or what was read before: a resumed run

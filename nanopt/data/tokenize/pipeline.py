@@ -1,19 +1,19 @@
 """The tokenize pipeline: a corpus source in, a dataset directory out (see nanopt.data.dataset for the format).
 
-Local files are checked first (nanopt.data.textcheck.check_text_file): a file that is not text is refused, bytes that
-are not UTF-8 are counted per file, warned about and recorded in meta.json, or refused with --on-decode-error
+Local files are checked first (nanopt.data.corpus.textcheck.check_text_file): a file that is not text is refused, bytes
+that are not UTF-8 are counted per file, warned about and recorded in meta.json, or refused with --on-decode-error
 refuse, before anything is written.
 
 Documents stream through in batches: read and hashed on the main thread, encoded by the tokenizers
 library's own thread pool (`encode_batch` releases the GIL, and two batches are kept in flight so both cores stay
 busy while the main thread reads the next batch and writes the previous one), then appended to the split's
-shards. Each document's split is settled in source order as its ids are written (nanopt.data.documents.SplitRule:
-its hash holds it out for val or test while that split is short of its target of tokens), so the shards do not
-depend on the batch size. A document longer than MAX_PIECE_CHARS is encoded as several pieces, cut where the ids
-do not change (nanopt.data.tokenizer.piece_ends), so the tokenizer's memory does not grow with the longest document
-either. Nothing grows with the corpus: at most a few batches are in memory, statistics are fixed-size but for 8
-bytes per document of 65536 tokens or more (nanopt.data.stats), and the split rule keeps the hashes of held-out
-documents only (bounded by the held-out targets).
+shards. Each document's split is settled in source order as its ids are written
+(nanopt.data.tokenize.documents.SplitRule: its hash holds it out for val or test while that split is short of its target
+of tokens), so the shards do not depend on the batch size. A document longer than MAX_PIECE_CHARS is encoded as several
+pieces, cut where the ids do not change (nanopt.data.tokenizers.tokenizer.piece_ends), so the tokenizer's memory does
+not grow with the longest document either. Nothing grows with the corpus: at most a few batches are in memory,
+statistics are fixed-size but for 8 bytes per document of 65536 tokens or more (nanopt.data.tokenize.stats), and the
+split rule keeps the hashes of held-out documents only (bounded by the held-out targets).
 
 Everything is written into a hidden staging directory beside the output and renamed into place at the end, with
 meta.json written last, so an interrupted run never leaves a directory that looks like a complete dataset.
@@ -31,18 +31,18 @@ from typing import Any
 
 import numpy as np
 
-from nanopt.data.documents import HELD_OUT, SplitRule, clean, document_pieces, is_empty
-from nanopt.data.heap import fix_mmap_threshold
+from nanopt.data.corpus.sources import Source, open_source
+from nanopt.data.corpus.textcheck import check_text_file
 from nanopt.data.output import check_output, staging_dir, write_meta
-from nanopt.data.sampling import SampledSource
-from nanopt.data.settings import TokenizeSettings, run_eval
 from nanopt.data.shards import SplitWriter, token_dtype
-from nanopt.data.shuffle import ShuffledSource
-from nanopt.data.sources import Source, open_source
-from nanopt.data.stats import SplitStats
-from nanopt.data.summary import summarize
-from nanopt.data.textcheck import check_text_file
-from nanopt.data.tokenizer import (
+from nanopt.data.tokenize.documents import HELD_OUT, SplitRule, clean, document_pieces, is_empty
+from nanopt.data.tokenize.heap import fix_mmap_threshold
+from nanopt.data.tokenize.sampling import SampledSource
+from nanopt.data.tokenize.settings import TokenizeSettings, run_eval
+from nanopt.data.tokenize.shuffle import ShuffledSource
+from nanopt.data.tokenize.stats import SplitStats
+from nanopt.data.tokenize.summary import summarize
+from nanopt.data.tokenizers.tokenizer import (
     NamedTokenizer,
     load_tokenizer,
     save_tokenizer,
@@ -177,7 +177,7 @@ class _Batch:
     """Pieces to encode together: whole documents, or consecutive pieces of a long one (last: it ends there)."""
 
     texts: list[str] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # the document's (nanopt.data.documents.document_key)
+    keys: list[int] = field(default_factory=list)  # the document's (nanopt.data.tokenize.documents.document_key)
     nbytes: list[int] = field(default_factory=list)
     last: list[bool] = field(default_factory=list)
 
@@ -194,7 +194,7 @@ class _Routed:
 
 class _Run:
     """One pass over the source: batches in, shards and statistics out. Train stops at the token budget; reading
-    goes on while a held-out split with a target is short of it (nanopt.data.documents.SplitRule)."""
+    goes on while a held-out split with a target is short of it (nanopt.data.tokenize.documents.SplitRule)."""
 
     def __init__(self, src: Source, named: NamedTokenizer, root: Path, opts: TokenizeSettings,
                  reporter: ProgressReporter) -> None:

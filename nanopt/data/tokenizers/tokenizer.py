@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanopt.data.bpe_files import has_bpe_files, read_bpe_files
-from nanopt.data.hub import OFFLINE_HINT, hub_offline, hub_unreachable
+from nanopt.data.corpus.hub import OFFLINE_HINT, hub_offline, hub_unreachable
 from nanopt.data.shards import FORMAT
+from nanopt.data.tokenizers.bpe_files import has_bpe_files, read_bpe_files
 from nanopt.errors import ConfigError, DataError, NanoptError
 from nanopt.files import write_file
 from nanopt.parsing import check_option, read_capped, read_json
@@ -83,7 +83,7 @@ def set_threads(threads: int | None) -> None:
 
 def load_tokenizer(name_or_path: str, eos_token: str | None = None) -> NamedTokenizer:
     """A local tokenizer.json (or a directory holding one, e.g. a dataset dir; or GPT-2's vocab.json and
-    merges.txt, nanopt.data.bpe_files), else a Hugging Face hub name."""
+    merges.txt, nanopt.data.tokenizers.bpe_files), else a Hugging Face hub name."""
     path = Path(name_or_path).expanduser()
     bpe_files = path.is_dir() and not os.path.lexists(path / "tokenizer.json") and has_bpe_files(path)
     if path.is_dir():

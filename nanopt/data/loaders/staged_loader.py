@@ -2,7 +2,7 @@
 the one of the stage the current step is in handing out its micro-batches.
 
 Stage i's loader cuts the split into windows of its own length L_i and reads them in its own shuffled order (the
-Feistel permutation of its window count, keyed by the seed and the epoch, nanopt.data.loader). Every step trains
+Feistel permutation of its window count, keyed by the seed and the epoch, nanopt.data.loaders.loader). Every step trains
 global_batch_tokens, so a step of stage i is G / L_i of its samples, and step s begins at its sample
 s x G / L_i: the stage starts where the tokens trained before it put it in its own order, and its epochs are
 counted in tokens (1.5 passes over the split are 1.5 passes whatever the lengths were). Sample k of a stage is
@@ -20,7 +20,7 @@ from typing import Any
 
 from nanopt.config.seq_stages import SeqStage, stage_at
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import TrainLoader
+from nanopt.data.loaders.loader import TrainLoader
 
 
 class StagedLoader:

@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from nanopt.data.sources import SizeHint, Source
+from nanopt.data.corpus.sources import SizeHint, Source
 
 MAX_SHUFFLE_BUFFER = 100_000_000  # documents: beyond any machine's memory at a few KiB each
 

@@ -2,7 +2,7 @@
 `tokenize --run` show it.
 
 For each source: its weight in `data`, the tokens the whole run reads from it (its samples over every phase, as the
-training loader places them: nanopt.data.interleave), the train tokens that one pass over them needs (samples x
+training loader places them: nanopt.data.mixtures.interleave), the train tokens that one pass over them needs (samples x
 seq_len + 1, as nanopt.data.budget counts one dataset), and, where the dataset is already there, its train split's
 tokens and the epochs the run makes over it. A source is short when the run reads it more than once; too small
 when more than data_epochs_warning times.
@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanopt.data.interleave import Interleave
 from nanopt.data.meta import read_meta
+from nanopt.data.mixtures.interleave import Interleave
 from nanopt.errors import DataError
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ import numpy as np
 
 from nanopt.config.batch_ramp import BatchRamp
 from nanopt.data.dataset import TokenDataset, TokenStream, check_compatible, retokenize_hint
-from nanopt.data.permutation import FeistelPermutation
+from nanopt.data.loaders.permutation import FeistelPermutation
 from nanopt.errors import DataError, ResumeError
 
 __all__ = ["EVAL_SLICE_VERSION", "EvalBatches", "TrainLoader", "check_compatible", "check_token_ids", "eval_batches"]

@@ -1,5 +1,5 @@
 """Local text and JSON files read without the `datasets` library, for a machine that does not have it (offline, or a
-GPU image without it): nanopt.data.sources.FileSource reads through here when `import datasets` fails.
+GPU image without it): nanopt.data.corpus.sources.FileSource reads through here when `import datasets` fails.
 
 It yields the documents that `datasets`' own "text" and "json" builders yield for the options FileSource passes
 them, in the same order, so the same files make the same shards either way (tests/test_plain_files.py compares
@@ -15,7 +15,7 @@ the two wherever `datasets` is installed):
 
 Where the two can differ, only on input `datasets` would mangle: it may turn a column of mixed types into JSON
 text, and parse a pretty-printed JSON object through pandas; here a value that is not a string is refused (as
-nanopt.data.hf_datasets.as_texts refuses it) and a file must be JSON Lines or one array.
+nanopt.data.corpus.hf_datasets.as_texts refuses it) and a file must be JSON Lines or one array.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from nanopt.data.textcheck import COMPRESSIONS, first_line
+from nanopt.data.corpus.textcheck import COMPRESSIONS, first_line
 from nanopt.errors import DataError
 
 PLAIN_BUILDERS = ("text", "json")  # what this module reads; parquet and hub datasets need `datasets`

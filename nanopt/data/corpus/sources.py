@@ -5,7 +5,7 @@
   needs no download, so the CPU demo works offline.
 - Local files, folders and globs (txt, json / jsonl, parquet, optionally .gz / .bz2 / .xz / .zst compressed), read
   through the same `datasets.load_dataset(..., streaming=True)` calls as a hub dataset; without `datasets` installed,
-  text and JSON files are read by nanopt.data.plain_files, into the same documents in the same order.
+  text and JSON files are read by nanopt.data.corpus.plain_files, into the same documents in the same order.
 - A directory written by `datasets`' `save_to_disk` (a Dataset, or a DatasetDict and its `--split`), read as
   `datasets.load_from_disk` reads it: memory-mapped Arrow, never loaded whole.
 - A Hugging Face hub dataset by name, streamed (`streaming=True`), so a 100B-token corpus is never downloaded whole.
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nanopt.data.hf_datasets import as_texts, column_texts, is_saved_dataset, load_saved, load_stream
-from nanopt.data.hub import hub_unreachable
-from nanopt.data.plain_files import datasets_installed, needs_datasets, plain_values
-from nanopt.data.textcheck import COMPRESSIONS, TextFile
+from nanopt.data.corpus.hf_datasets import as_texts, column_texts, is_saved_dataset, load_saved, load_stream
+from nanopt.data.corpus.hub import hub_unreachable
+from nanopt.data.corpus.plain_files import datasets_installed, needs_datasets, plain_values
+from nanopt.data.corpus.textcheck import COMPRESSIONS, TextFile
 from nanopt.errors import ConfigError, DataError
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json",

@@ -1,6 +1,6 @@
 """Documents as the pipeline sees them: which split a document belongs to (a hash of its bytes, and how full its
 split already is: SplitRule), and the pieces a long document is encoded in (cut where the token ids do not change,
-nanopt.data.tokenizer.piece_ends)."""
+nanopt.data.tokenizers.tokenizer.piece_ends)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanopt.data.tokenizer import piece_ends
+from nanopt.data.tokenizers.tokenizer import piece_ends
 
 # A longer document is encoded in pieces of at most this many characters (at most 1 MiB of UTF-8): unsplit, a
 # 200 MB line needed ~27 GB of tokenizer work space.

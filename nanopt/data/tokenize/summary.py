@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nanopt.data.documents import HELD_OUT
 from nanopt.data.output import leftover_staging_dirs
-from nanopt.data.settings import RunEval
+from nanopt.data.tokenize.documents import HELD_OUT
+from nanopt.data.tokenize.settings import RunEval
 
 
 def summarize(out: Path, meta: dict[str, Any], seconds: float, encode_seconds: float, extra: dict[str, Any],
