@@ -21,7 +21,7 @@ from conftest import english_like_documents, write_jsonl
 from faulthelp import HANG_GUARD_S, TINY_TRAIN, Child, Launcher, tiny_run
 from trainhelp import final_weights_hash, losses
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.data.dataset import TokenDataset
 from nanopt.data.loaders.loader import TrainLoader
 from nanopt.train import checkpoint as ckpt

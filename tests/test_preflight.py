@@ -13,7 +13,7 @@ from clihelp import assert_user_error
 from faulthelp import tree_digest
 from trainhelp import make_run
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.config import load_run
 from nanopt.plan.preflight import PreflightOptions, preflight
 from nanopt.train.observe.metrics import read_metrics

@@ -21,7 +21,7 @@ from faulthelp import Launcher, tiny_run
 from rich.text import Text
 from trainhelp import make_run
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.cli.terminal import SafeConsole
 from nanopt.untrusted_text import printable, shell_word
 

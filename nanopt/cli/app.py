@@ -1,8 +1,8 @@
 """The Typer application and what every command shares: error handling, --set, --json output.
 
-Commands live one per module beside this file; each parses its options, calls one library function and
-renders the result. Torch and other heavy libraries are imported inside the command functions only, so
-`nanopt --help` stays fast.
+Commands live one per module in nanopt.cli.commands; each parses its options, calls one library function and
+renders the result (nanopt.cli.display). Torch and other heavy libraries are imported inside the command functions
+only, so `nanopt --help` stays fast.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a training run tells the person watching it: a small observer protocol the CLI renders.
 
 The library never prints or imports rich: it calls these methods on rank 0 (other ranks get `Silent`), and
-nanopt.cli.train_display draws them as a live progress bar and log lines.
+nanopt.cli.display.train draws them as a live progress bar and log lines.
 """
 
 from __future__ import annotations

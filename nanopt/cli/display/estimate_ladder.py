@@ -8,8 +8,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import console
+from nanopt.cli.display import format as fmt
 from nanopt.plan.estimate.ladder import set_options
 
 

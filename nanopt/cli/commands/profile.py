@@ -9,9 +9,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-from nanopt.cli.find_batch import seconds
+from nanopt.cli.commands.find_batch import seconds
+from nanopt.cli.display import format as fmt
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
 from nanopt.runtime import ranks

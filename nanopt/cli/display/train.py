@@ -10,8 +10,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from nanopt.cli import format as fmt
-from nanopt.cli.mixture_display import live_sources
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.mixture import live_sources
 from nanopt.cli.terminal import SafeConsole
 from nanopt.untrusted_text import printable
 

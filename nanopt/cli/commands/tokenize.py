@@ -10,10 +10,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.mixture import plan_table
 from nanopt.cli.helptext import epilog
-from nanopt.cli.mixture_display import plan_table
 
 ABOUT = """
 val and test: a document is held out for one of them by a hash of its text (5% of documents each) until the split

@@ -11,13 +11,13 @@ from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
-from nanopt.cli.health_display import health_table
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.health import health_table
+from nanopt.cli.display.mixture import source_tables
+from nanopt.cli.display.prediction import PredictingDisplay, prediction_table
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import STOPPED_EARLY, check_launcher_options, launch_if_asked, slurm_launcher, slurm_named
-from nanopt.cli.mixture_display import source_tables
-from nanopt.cli.prediction_display import PredictingDisplay, prediction_table
 from nanopt.cli.rank_errors import ERROR_DIR_ENV, crash_of_another_rank
 from nanopt.errors import ConfigError, DistributedError
 from nanopt.hardware import check_price_per_hour

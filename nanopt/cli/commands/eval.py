@@ -10,12 +10,12 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
-from nanopt.cli.eval_tasks import harness_options, render_tasks, task_options
+from nanopt.cli.commands.eval_tasks import harness_options, render_tasks, task_options
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.prediction import prediction_table
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import launch_if_asked
-from nanopt.cli.prediction_display import prediction_table
 from nanopt.evaluate.settings_diff import differences, shown
 from nanopt.hardware import check_price_per_hour
 from nanopt.runtime import ranks
@@ -138,7 +138,7 @@ def eval_command(
     from nanopt.evaluate import compare
 
     if health:
-        from nanopt.cli.health_display import show_health
+        from nanopt.cli.display.health import show_health
 
         show_health(run_dirs, as_json)
         return
@@ -146,7 +146,7 @@ def eval_command(
     check_price_per_hour(price_per_hour)  # now, not after torchrun started and every checkpoint was read
     task_options(tasks, limit, task_data, harness)  # a misspelt task fails now too
     harness_opts = harness_options(harness, limit, task_data, nproc_per_node)  # and a missing harness extra
-    from nanopt.cli.eval_watch import check_device_option, check_watch_options
+    from nanopt.cli.commands.eval_watch import check_device_option, check_watch_options
 
     check_device_option(device, nproc_per_node)
     if watch:
@@ -169,7 +169,7 @@ def eval_command(
                        reuse=len(run_dirs) > 1 and not fresh, tasks=task_options(tasks, limit, task_data, harness),
                        harness=harness_opts)
     if watch:
-        from nanopt.cli.eval_watch import watch as watch_run
+        from nanopt.cli.commands.eval_watch import watch as watch_run
 
         return watch_run(run_dirs[0], opts, poll, device, as_json, _RichProgress())
     is_main = ranks().is_main

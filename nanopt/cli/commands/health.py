@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from nanopt.cli.app import app
-from nanopt.cli.health_display import show_health
+from nanopt.cli.display.health import show_health
 from nanopt.cli.helptext import epilog
 
 ABOUT = """

@@ -10,11 +10,11 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, app, console, load_run_config, print_json
-from nanopt.cli.estimate_ladder import checkpointing_words, print_compared, print_ladder
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.estimate_ladder import checkpointing_words, print_compared, print_ladder
+from nanopt.cli.display.mixture import plan_table, plan_warnings
 from nanopt.cli.helptext import epilog
-from nanopt.cli.mixture_display import plan_table, plan_warnings
 from nanopt.errors import ConfigError
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU

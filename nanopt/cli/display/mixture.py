@@ -8,7 +8,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 
 
 def live_sources(record: dict[str, Any]) -> str:

@@ -9,13 +9,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import SET_HELP, Invocation, app, console, load_run_config, print_json
-from nanopt.cli.find_batch import seconds
+from nanopt.cli.commands.find_batch import seconds
+from nanopt.cli.commands.plan import correct_after_preflight, render_correction
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.mixture import plan_table, plan_warnings
 from nanopt.cli.helptext import DEVICES_PANEL, epilog
 from nanopt.cli.launch import CHECKS_FAILED, check_launcher_options, launch_if_asked
-from nanopt.cli.mixture_display import plan_table, plan_warnings
-from nanopt.cli.plan import correct_after_preflight, render_correction
 from nanopt.runtime import ranks, under_torchrun
 from nanopt.untrusted_text import shell_word
 

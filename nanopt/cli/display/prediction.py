@@ -10,8 +10,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
-from nanopt.cli.train_display import Display
+from nanopt.cli.display import format as fmt
+from nanopt.cli.display.train import Display
 from nanopt.errors import NanoptError
 
 

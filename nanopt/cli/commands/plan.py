@@ -9,8 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nanopt.cli import format as fmt
 from nanopt.cli.app import app, console, print_json
+from nanopt.cli.display import format as fmt
 from nanopt.cli.helptext import epilog
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.untrusted_text import shell_word
