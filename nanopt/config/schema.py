@@ -83,8 +83,9 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
-    # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once (nanopt.train.
-    # graphed_step), which removes the host's launch gaps between kernels. Off until a GPU window measures it.
+    # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once
+    # (nanopt.train.parallel.graphed_step), which removes the host's launch gaps between kernels. Off until a GPU
+    # window measures it.
     cuda_graphs: bool = False
     # bf16: the residual stream between blocks kept in bf16 instead of fp32 (norms still compute in fp32): less
     # memory and traffic, each residual addition rounded to bf16. Changes the numerics: opt-in.

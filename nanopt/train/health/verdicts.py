@@ -2,9 +2,9 @@
 
 Pure arithmetic on numbers (no torch). Every signal is per optimizer step, or judged over windows of steps, never
 of log records, so a run gets the same verdicts whatever its log_interval:
-- each step's loss and gradient norm (before clipping) go into blocks of consecutive steps (nanopt.train.
-  health_window), a fortieth of the run each (1 to 100 steps); each block is judged when it ends, over the last
-  window (ten blocks: a quarter of the run, 10 to 1,000 steps) against the window before;
+- each step's loss and gradient norm (before clipping) go into blocks of consecutive steps
+  (nanopt.train.health.window), a fortieth of the run each (1 to 100 steps); each block is judged when it ends, over the
+  last window (ten blocks: a quarter of the run, 10 to 1,000 steps) against the window before;
 - the update-to-parameter ratio is measured at log steps only (it copies the weights): a window's level is the
   median of the medians of its blocks' measurements, judged once three blocks of the window hold one.
 Training writes each block into its next logged train record (`health_blocks`), so `nanopt eval --health` replays
