@@ -1,6 +1,4 @@
-"""The commands, one module each; importing this package registers each on the app, in the order of the pretraining
-lifecycle (the order of --help). Each parses its options, calls one library function and renders the result through
-nanopt.cli.display."""
+"""Registers each command module on the app, in the order of the pretraining lifecycle (the order of --help)."""
 
 import importlib
 
