@@ -13,11 +13,12 @@ one optimizer step so that AdamW's moments exist, and saves one checkpoint:
          (a collective: rank 0 receives every tensor), then rank 0 writes the two safetensors files
          (nanopt.train.checkpoint.write_checkpoint);
 - sync:  what the training loop now writes, but in the foreground: on several ranks every rank writes the shards it
-         holds (nanopt.train.sharded.save of tensors_only(sharded_state(...))) and rank 0 publishes the directory;
-         in one process the full layout from the state as it is (write_full, publish; there is nothing to gather);
-- async: the real background save the loop uses (nanopt.train.save.save_checkpoint), twice: "blocked" is how long
-         the training step waits for it, "done" how long until the checkpoint is published (the second save's,
-         once the checkpoint process group exists; the first's is in the JSON). blocked / sync is the share of a
+         holds (nanopt.train.checkpoint.sharded.save of tensors_only(sharded_state(...))) and rank 0 publishes the
+         directory; in one process the full layout from the state as it is (write_full, publish; there is nothing to
+         gather);
+- async: the real background save the loop uses (nanopt.train.checkpoint.save.save_checkpoint), twice: "blocked"
+         is how long the training step waits for it, "done" how long until the checkpoint is published (the second
+         save's, once the checkpoint process group exists; the first's is in the JSON). blocked / sync is the share of a
          synchronous save the step still pays (target: under 10%).
 
 Memory is measured as nanopt measures it on the CPU (nanopt.runtime's VmRSS / VmHWM helpers): before a save the
@@ -25,7 +26,7 @@ kernel's peak is reset to the current resident set, and "RSS +MiB" is how far th
 save (for async, until the first save is published), on rank 0 and the largest on any rank. "peak MiB" is rank 0's
 highest resident set over its whole life (model, step and save). Rank 0's increase should stay flat, or shrink, as
 the world grows: no rank holds more than its shards. Each method runs in fresh processes, and tensors of 1 MiB and
-more are mapped and unmapped one by one (nanopt.data.heap.fix_mmap_threshold), so that memory the model's
+more are mapped and unmapped one by one (nanopt.data.tokenize.heap.fix_mmap_threshold), so that memory the model's
 construction, the step or another save freed cannot hide what a save needs.
 
 Everything is written under a temporary directory that is removed at the end. Prints a table, then one JSON line
@@ -51,8 +52,8 @@ import torch
 import torch.multiprocessing as mp
 
 from nanopt.config import ModelConfig, load_run
-from nanopt.data.heap import fix_mmap_threshold
-from nanopt.data.pipeline import build_dataset
+from nanopt.data.tokenize.heap import fix_mmap_threshold
+from nanopt.data.tokenize.pipeline import build_dataset
 from nanopt.devices import _reset_rss_peak, _rss_bytes
 from nanopt.model.flops import count_params
 from nanopt.rundir import RunDir
@@ -65,9 +66,9 @@ from nanopt.runtime import (
     shutdown,
 )
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import sharded
-from nanopt.train.parallel import full_model_state, full_optimizer_state, sharded_state, tied_aliases
-from nanopt.train.save import save_checkpoint, wait_for_save
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save
+from nanopt.train.parallel.wrap import full_model_state, full_optimizer_state, sharded_state, tied_aliases
 from nanopt.train.session import build_session
 from nanopt.train.step import step
 
@@ -175,8 +176,8 @@ def save_sync(s: Any, watch: RssWatch) -> dict[str, float]:
 
 
 def save_async(s: Any, watch: RssWatch) -> dict[str, float]:
-    """nanopt.train.save.save_checkpoint as the loop calls it, twice (the first also makes the checkpoint process
-    group); each time the main thread then waits for the background work, as the next save would."""
+    """nanopt.train.checkpoint.save.save_checkpoint as the loop calls it, twice (the first also makes the checkpoint
+    process group); each time the main thread then waits for the background work, as the next save would."""
     watch.start()
     first_blocked, first_done = _one_async_save(s)
     rise = watch.rise()

@@ -1,4 +1,4 @@
-"""The cost of run health (nanopt.train.health_probe and health): training steps with it on against off, side by
+"""The cost of run health (nanopt.train.health.probe and health): training steps with it on against off, side by
 side in one run, reported as a ratio.
 
     python bench/bench_health.py --run runs/demo                                  # CPU: the demo's model
@@ -31,8 +31,8 @@ from bench_train import random_token_session  # noqa: E402
 
 from nanopt.config import RunConfig, load_run  # noqa: E402
 from nanopt.runtime import Runtime, init_runtime  # noqa: E402
-from nanopt.train.health import HealthMonitor, HealthSettings  # noqa: E402
-from nanopt.train.health_probe import HealthProbe  # noqa: E402
+from nanopt.train.health.probe import HealthProbe  # noqa: E402
+from nanopt.train.health.verdicts import HealthMonitor, HealthSettings  # noqa: E402
 from nanopt.train.step import step  # noqa: E402
 
 

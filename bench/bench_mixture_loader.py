@@ -6,9 +6,9 @@
 The dataset (--data, else the built-in corpus tokenized into a temporary directory) is copied twice, so the
 mixture reads three dataset directories of the same size, each through its own memory maps, at weights 0.5 / 0.3 /
 0.2. Both loaders hand out the same number of micro-batches of the same shape: the single-dataset TrainLoader
-(nanopt.data.loader) and the MixtureLoader (nanopt.data.mixture), each doing all its per-step work (the token-id
-check of the step's samples, the window lookup, the reads and the tensors) in the calling thread, as training on
-the CPU does. Time is this process's CPU time (the loaders run in this thread alone), so other processes on a shared
+(nanopt.data.loaders.loader) and the MixtureLoader (nanopt.data.mixtures.mixture), each doing all its per-step work (the
+token-id check of the step's samples, the window lookup, the reads and the tensors) in the calling thread, as training
+on the CPU does. Time is this process's CPU time (the loaders run in this thread alone), so other processes on a shared
 machine do not count; within a round the two loaders alternate every 10 steps, each going on where it stopped. The
 figure is the median over rounds of mixture time / single time (1.00: as fast). Prints one line per round, then one
 JSON line with everything.
@@ -43,7 +43,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def sources(root: Path, data: Path | None) -> list[Path]:
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     first = root / "web"
     if data is None:
@@ -58,8 +58,8 @@ def sources(root: Path, data: Path | None) -> list[Path]:
 def loaders(paths: list[Path], args: argparse.Namespace) -> tuple[object, object]:
     from nanopt.config.mixture import Mixture, MixturePhase, MixtureSource
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.loader import TrainLoader
-    from nanopt.data.mixture import MixtureData, MixtureLoader
+    from nanopt.data.loaders.loader import TrainLoader
+    from nanopt.data.mixtures.mixture import MixtureData, MixtureLoader
 
     layout = (args.seq_len, args.micro_batch_size, args.grad_accum, 0, 1, 1337)
     single = TrainLoader(TokenDataset.open(paths[0]), "train", *layout)

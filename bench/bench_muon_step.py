@@ -3,7 +3,7 @@
     python bench/bench_muon_step.py                        # GPT-2 small's 48 block matrices, CUDA if present
     python bench/bench_muon_step.py --shape 2048x2048:64 --shape 8192x2048:32 --shape 2048x8192:16  # the 1B
 
-torch's step orthogonalizes one matrix at a time, about 25 kernel launches each; nanopt.train.muon_step runs the
+torch's step orthogonalizes one matrix at a time, about 25 kernel launches each; nanopt.train.optim.muon_step runs the
 matrices of one shape as one batch. Both steps do the same arithmetic with the same precision (the suite checks that
 the weights agree bit for bit on the CPU). On the second GPU window (an H200), Muon trained GPT-2 small at 0.73x
 AdamW's tokens/s with torch's step. The figure here is the ratio of the two steps' times, measured in alternating
@@ -70,7 +70,7 @@ def measure(shapes: list[str], steps: int, rounds: int, device_name: str | None 
     """Both steps on one set of matrices (`shapes`), alternating, best of `rounds` rounds of `steps` steps each."""
     import torch
 
-    from nanopt.train.muon_step import batched_muon_step
+    from nanopt.train.optim.muon_step import batched_muon_step
 
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     params = matrices(shapes, device)

@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
 
 def per_step_ms(dataset: object, args: argparse.Namespace, plan: bool) -> tuple[float, float]:
     """(ms in next_batch, ms in plan_ahead) per step, one micro-batch a step."""
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
 
     loader = TrainLoader(dataset, "train", args.seq_len, args.micro_batch_size, 1, 0, 1, 1337)
     loader.prefetch()
@@ -63,7 +63,7 @@ def per_step_ms(dataset: object, args: argparse.Namespace, plan: bool) -> tuple[
 
 def main() -> None:
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,15 +33,15 @@ REPEATS = (1, 5)
 
 
 def stdlib_documents() -> list[str]:
-    from nanopt.data.sources import StdlibSource
+    from nanopt.data.corpus.sources import StdlibSource
 
     return [t for t in StdlibSource().texts() if t and not t.isspace()]
 
 
 def train_tokenizer(docs: list[str], path: Path) -> Any:
     """The BPE `nanopt tokenize` trains for the built-in corpus by default (same vocabulary size)."""
-    from nanopt.data.settings import BUILTIN_VOCAB_SIZE
-    from nanopt.data.tokenizer import save_tokenizer, train_bpe
+    from nanopt.data.tokenize.settings import BUILTIN_VOCAB_SIZE
+    from nanopt.data.tokenizers.tokenizer import save_tokenizer, train_bpe
 
     named = train_bpe(docs, BUILTIN_VOCAB_SIZE)
     save_tokenizer(named, path)
@@ -76,8 +76,8 @@ def chunks(docs: list[str], size: int) -> Iterator[list[str]]:
 
 def throughput(docs: list[str], tokenizer: Any, tokenizer_path: Path, batch_size: int,
                rounds: int) -> dict[str, Any]:
-    from nanopt.data.pipeline import build_dataset
-    from nanopt.data.sources import TextListSource
+    from nanopt.data.corpus.sources import TextListSource
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     def pipeline() -> int:
         with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +112,7 @@ class RepeatedStdlib:
     kind = "builtin"
 
     def __init__(self, times: int) -> None:
-        from nanopt.data.sources import StdlibSource
+        from nanopt.data.corpus.sources import StdlibSource
 
         self.inner, self.times = StdlibSource(), times
 
@@ -124,7 +124,7 @@ class RepeatedStdlib:
         return {**self.inner.describe(), "repeated": self.times}
 
     def size_hint(self) -> Any:
-        from nanopt.data.sources import SizeHint
+        from nanopt.data.corpus.sources import SizeHint
 
         hint = self.inner.size_hint()
         return SizeHint(bytes=hint.bytes * self.times, documents=hint.documents * self.times)
@@ -132,7 +132,7 @@ class RepeatedStdlib:
 
 def child(times: int, tokenizer: str | None, out: str, batch_size: int) -> None:
     """Run inside a fresh process: build the dataset, print tokens, time and this process's peak RSS."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     start = time.perf_counter()
     summary = build_dataset(out, RepeatedStdlib(times), tokenizer=tokenizer, batch_size=batch_size)

@@ -38,10 +38,10 @@ from nanopt.devices import MemoryProbe, device_peak_flops
 from nanopt.model.flops import flops_per_token, mfu, mfu_note  # noqa: E402
 from nanopt.model.transformer import Transformer  # noqa: E402
 from nanopt.runtime import Runtime, init_runtime  # noqa: E402
-from nanopt.train.events import Silent  # noqa: E402
-from nanopt.train.metrics import MetricsLog  # noqa: E402
-from nanopt.train.optim import build_optimizer  # noqa: E402
-from nanopt.train.parallel import prepare, resolve_compile  # noqa: E402
+from nanopt.train.observe.events import Silent  # noqa: E402
+from nanopt.train.observe.metrics import MetricsLog  # noqa: E402
+from nanopt.train.optim.optimizer import build_optimizer  # noqa: E402
+from nanopt.train.parallel.wrap import prepare, resolve_compile  # noqa: E402
 from nanopt.train.session import Session, TrainOptions  # noqa: E402
 from nanopt.train.state import TrainState  # noqa: E402
 from nanopt.train.step import step  # noqa: E402
@@ -69,7 +69,8 @@ class RandomTokens:
         """Nothing to read ahead (TrainLoader plans its next read here, before the step's host sync)."""
 
     def accum_at(self, step: int) -> int:
-        """Micro-batches per optimizer step, as nanopt.data.loader.TrainLoader answers (one process, no warmup)."""
+        """Micro-batches per optimizer step, as nanopt.data.loaders.loader.TrainLoader answers (one process, no
+        warmup)."""
         return self.accum
 
     def samples_in(self, step: int) -> int:

@@ -51,8 +51,8 @@ def uncorrected(run_dir: Path) -> dict[str, Any]:
 
 
 def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
-    from nanopt.train.metrics import read_metrics
-    from nanopt.train.prediction import measured, read_prediction
+    from nanopt.train.observe.metrics import read_metrics
+    from nanopt.train.observe.prediction import measured, read_prediction
 
     run = root / f"run-{budget}"
     nanopt("plan", "--budget", budget, "--gpu", "cpu", "--data", str(data), "--out", str(run),

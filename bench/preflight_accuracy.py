@@ -1,6 +1,6 @@
 """How honest `nanopt preflight` is: preflight a copy of runs/demo, then train that copy for real on the same machine,
 and compare the projected time of each phase with the time the run really spent in it (its metrics.jsonl `phases`
-records, read through nanopt.train.phases.run_time).
+records, read through nanopt.train.observe.phases.run_time).
 
 The copy lives in a temporary directory (its train.json pointing at the repository's dataset), so runs/demo is never
 touched. Both commands run as a user runs them, one process each, one after the other. The projection leaves out
@@ -82,8 +82,8 @@ def main() -> None:
                         help="a train.json override for both commands, e.g. max_steps=60 (repeatable)")
     parser.add_argument("--steps", type=int, default=30, help="steps preflight measures")
     args = parser.parse_args()
-    from nanopt.train.metrics import read_metrics
-    from nanopt.train.phases import run_time
+    from nanopt.train.observe.metrics import read_metrics
+    from nanopt.train.observe.phases import run_time
 
     overrides = [word for pair in args.sets for word in ("--set", pair)]
     with tempfile.TemporaryDirectory(prefix="nanopt-preflight-bench-") as folder:

@@ -299,7 +299,7 @@ def check_run_dir(run_dir: Path) -> None:
     for path in paths.written_dirs():
         st = _lstat(path)
         # TensorBoard, W&B and the profiler are handed their directory, and only a link there is refused: a
-        # sink that cannot write is a warning (nanopt.train.sinks), never the end of a paid-for run.
+        # sink that cannot write is a warning (nanopt.train.observe.sinks), never the end of a paid-for run.
         if st is not None and (path in (paths.checkpoints, paths.previous) or stat.S_ISLNK(st.st_mode)):
             check_dir(path)
     for path in paths.written_files():

@@ -4,21 +4,22 @@
       model.json  train.json          the run's configuration (written by a person)
       checkpoints/step-000600/        one checkpoint (see nanopt.train.checkpoint)
       checkpoints/latest, best        one-line pointer files naming a step directory
-      metrics.jsonl  loss.png         what training measured (see nanopt.train.metrics)
+      metrics.jsonl  loss.png         what training measured (see nanopt.train.observe.metrics)
       eval.json                       the latest `nanopt eval` result (also inside the checkpoint it evaluated)
       eval_history.jsonl              every test-loss evaluation, one result a line (see nanopt.evaluate.history)
       holds/step-N.ID                 a checkpoint a reader is using: retention keeps it (nanopt.train.checkpoint.hold)
       find_batch.json  profile/       what `nanopt find-batch` and `nanopt profile` measured
       preflight.json                  what `nanopt preflight` measured and projected (see nanopt.plan.preflight_record)
       plan.json  prediction.json      what `nanopt plan` chose and why; what was predicted before the first step
-      tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see nanopt.train.sinks)
+      tensorboard/  wandb/            train.json's `tensorboard` / `wandb_project` logging (see
+                                      nanopt.train.observe.sinks)
       on_exit.log                     the output of the train.json / --on-exit command, run after each session
       on_event.log  health.png        the output of the --on-event command; `nanopt eval --health`'s chart
       export/                         the default `nanopt export` destination
       previous/TIMESTAMP/             what a fresh start (`--resume none`) moved aside: the earlier checkpoints,
                                       metrics.jsonl, loss.png, eval.json, eval_history.jsonl and tensorboard/,
                                       never deleted by nanopt
-      .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.lock)
+      .lock                           held by the `nanopt train` that is writing this run (see nanopt.train.guard.lock)
 
 Pure path arithmetic: nothing here reads or writes a file, so any module may import it. How nanopt writes these
 paths (never through a link) is nanopt.files.
@@ -48,7 +49,8 @@ WANDB_DIR = "wandb"  # W&B names its own folder: this is where it lands when giv
 EXIT_HOOK_LOG = "on_exit.log"
 EVENT_HOOK_LOG = "on_event.log"
 HEALTH_CHART_FILE = "health.png"
-STALLS_DIR = "stalls"  # rank-R.txt: every thread's stack when that rank stopped making progress (nanopt.train.stall)
+# rank-R.txt: every thread's stack when that rank stopped making progress (nanopt.train.guard.stall)
+STALLS_DIR = "stalls"
 EXPORT_DIR = "export"
 LOCK_FILE = ".lock"
 PREVIOUS_DIR = "previous"

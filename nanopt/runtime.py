@@ -79,7 +79,8 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
-    precision: str  # "bf16", "fp16" (CUDA only, with loss scaling: nanopt.train.scaling) or "fp32", from "auto"
+    # "bf16", "fp16" (CUDA only, with loss scaling: nanopt.train.precision.scaling) or "fp32", from "auto"
+    precision: str
     tf32: bool = False  # fp32 matmuls and convolutions run on TF32 tensor cores (CUDA, train.json "tf32")
     cpu_threads: CPUThreads | None = None  # on the CPU: torch's intra-op threads, and why (init_runtime)
 

@@ -1,5 +1,5 @@
 """The one reader of a safetensors file's header: a checkpoint's model.safetensors and optimizer.safetensors
-(nanopt.train.contents) and an imported model's files (nanopt.importer.weights) may come from a stranger.
+(nanopt.train.checkpoint.contents) and an imported model's files (nanopt.importer.weights) may come from a stranger.
 
 Reading never runs code (the header is JSON) and is bounded: the file is opened as every untrusted file is
 (nanopt.parsing.open_regular: never a pipe or a device), and the header's length is checked against the file's size

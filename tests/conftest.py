@@ -74,7 +74,7 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) -> Path:
     """A dataset directory: ~108k train tokens in 3 shards, ~14k val and ~10k test tokens, vocab 512."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     out = tmp_path_factory.mktemp("data") / "tiny"
     build_dataset(out, str(tiny_corpus), **TINY_SETTINGS)

@@ -52,8 +52,8 @@ import torch._dynamo  # noqa: F401  (imported by the optimizer's first construct
 import importlib
 # Imported on first use by every `nanopt train` (typer's option parsing pulls in pydantic): ~0.1-0.2 s per child.
 # A name that moves is skipped: the children import what they need themselves.
-for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer", "nanopt.train.exit_hook",
-             "PIL.PngImagePlugin"):
+for name in ("typer._adapters", "nanopt.data.loaders.loader", "nanopt.model.transformer",
+             "nanopt.train.guard.exit_hook", "PIL.PngImagePlugin"):
     try:
         importlib.import_module(name)
     except ImportError:
@@ -65,7 +65,7 @@ for name in ("typer._adapters", "nanopt.data.loader", "nanopt.model.transformer"
 def kill_at_step(step, checkpoints, latest):
     import time
     from pathlib import Path
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
     from nanopt.train.checkpoint import read_pointer
 
     original = TrainLoader.next_batch

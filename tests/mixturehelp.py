@@ -11,7 +11,7 @@ WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
 
 def build_sources(root: Path, web: Path) -> dict[str, Path]:
     """web (the tiny dataset: ~108k train tokens), code (~30k) and math (~14k), all with web's tokenizer."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     made = {"web": web}
     for name, documents, seed in (("code", 150, 1), ("math", 60, 2)):

@@ -20,7 +20,7 @@ from trainhelp import HIDE_CUDA, losses, make_run
 
 from nanopt.config import load_run
 from nanopt.errors import CheckpointError
-from nanopt.train.lowbit import quantizes, shard_rows
+from nanopt.train.optim.lowbit import quantizes, shard_rows
 
 # MLP rows: 257 (129 + 128 on 2 ranks): fp32 moments, uneven DTensor shards. The attention matrices (128 rows, 64
 # a rank) keep 8-bit moments, so both kinds of moment go through the compiled step.

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (nanopt.train.save): a kill while one is being written never leaves
+"""Checkpoints written in the background (nanopt.train.checkpoint.save): a kill while one is being written never leaves
 `latest` on an incomplete checkpoint, and `checkpoint_async: false` makes every save wait for its files."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_budget_and_token_count_follow_the_ramp():
 
 
 def test_the_learning_rate_follows_tokens_under_the_ramp():
-    from nanopt.train.schedule import lr_at, scheduled_lr
+    from nanopt.train.optim.schedule import lr_at, scheduled_lr
 
     cfg = _train_config(warmup_steps=4, learning_rate=1e-3)
     # the warmup rises with the tokens: step 0 ends after 1,024 tokens (1/8 of a full step), step 14 after 16,384
@@ -88,7 +88,7 @@ def _samples(loader, steps):
 
 def test_the_loader_hands_out_each_steps_samples_once_on_any_world_size(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
 
     ramp = BatchRamp(64, 256, 1000)  # seq_len 16: 4 sequences growing to 16
     dataset = TokenDataset.open(tiny_dataset)
@@ -104,7 +104,7 @@ def test_the_loader_hands_out_each_steps_samples_once_on_any_world_size(tiny_dat
 
 # seq_len 16. The batch grows 32 -> 64 -> 96 -> 128 tokens (2 to 8 sequences) over 512 tokens: steps 0-5 at 32,
 # 6-8 at 64, 9-10 at 96, then 128. Micro-batch 2 is one micro-batch of the first step on one rank; two ranks must
-# lower it to 1 (nanopt.train.world_fit), which a resume on another world size does by itself.
+# lower it to 1 (nanopt.train.parallel.world_fit), which a resume on another world size does by itself.
 RAMP = {"micro_batch_size": 2, "global_batch_tokens": 128, "batch_warmup_start_tokens": 32,
         "batch_warmup_tokens": 512, "max_steps": 14, "checkpoint_interval": 4, "eval_interval": 0,
         "warmup_steps": 2, "log_interval": 1}
@@ -177,7 +177,7 @@ def test_estimate_counts_the_ramps_steps_and_tokens(tmp_path: Path, tiny_dataset
 
 
 def test_the_projection_counts_ramp_steps_by_their_tokens(tmp_path: Path, tiny_dataset: Path):
-    from nanopt.train.phases import projected_seconds
+    from nanopt.train.observe.phases import projected_seconds
     from nanopt.train.shape_schedule import step_times
 
     run = _ramp_run(tmp_path, tiny_dataset)  # 14 steps: 576 tokens in 11 ramp steps, then 3 x 128
@@ -239,7 +239,7 @@ def test_the_ramp_cannot_change_on_resume_even_when_asked():
     """Every step's samples follow from the ramp: changed, a checkpoint's step would point at other data."""
     from nanopt.config import ModelConfig, RunConfig, TrainConfig
     from nanopt.errors import ResumeError
-    from nanopt.train.resume import check_resumable
+    from nanopt.train.checkpoint.resume import check_resumable
 
     model = ModelConfig(**{"architecture": "llama", "vocab_size": 64, **TINY_MODEL})
     saved = RunConfig(run_dir=Path("r"), model=model, train=TrainConfig(data="d", **RAMP)).snapshot()

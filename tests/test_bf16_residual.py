@@ -1,4 +1,4 @@
-"""train.json "bf16_residual" (nanopt.train.residual): the residual stream between blocks in bf16 under bf16
+"""train.json "bf16_residual" (nanopt.train.precision.residual): the residual stream between blocks in bf16 under bf16
 autocast. It keeps half the bytes of the stream for backward, trains within the bf16-against-fp32 tolerance of the
 fp32 stream, and is refused in one line outside bf16. On the CPU's bf16 autocast."""
 

@@ -24,7 +24,7 @@ from clihelp import assert_user_error, run_cli
 from conftest import english_like_documents, write_jsonl
 from test_tokenize_newcomer import documents_of, train_bpe_file
 
-from nanopt.data.pipeline import build_dataset
+from nanopt.data.tokenize.pipeline import build_dataset
 
 SPLITS = ("train", "val", "test")
 
@@ -98,7 +98,7 @@ def gpt2_files(folder: Path, **tokenizer_config: object) -> Path:
                          ids=["files-only", "with-tokenizer-config"])
 def test_vocab_and_merges_encode_as_transformers_loads_them(tmp_path: Path, corpus: list[str], settings: dict):
     transformers = pytest.importorskip("transformers")
-    from nanopt.data.tokenizer import load_tokenizer
+    from nanopt.data.tokenizers.tokenizer import load_tokenizer
 
     folder = gpt2_files(tmp_path / "gpt2", **settings)
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted(
@@ -189,7 +189,7 @@ def kept(dataset: Path) -> list[str]:
 
 def test_sample_keeps_a_seeded_share_of_the_documents_in_source_order(tmp_path: Path, bpe: Path,
                                                                      corpus: list[str]):
-    from nanopt.data.sources import TextListSource
+    from nanopt.data.corpus.sources import TextListSource
 
     def sample(name: str, fraction: float, seed: int) -> list[str]:
         build_dataset(tmp_path / name, TextListSource(corpus), tokenizer=str(bpe), sample=fraction, sample_seed=seed)
@@ -210,7 +210,7 @@ def test_sample_keeps_a_seeded_share_of_the_documents_in_source_order(tmp_path: 
 
 def test_sample_of_a_streamed_hub_dataset_is_the_sample_of_its_files(tmp_path: Path, bpe: Path, corpus: list[str]):
     pytest.importorskip("datasets")
-    from nanopt.data.sources import HubSource
+    from nanopt.data.corpus.sources import HubSource
 
     folder = tmp_path / "hub-like"
     folder.mkdir()

@@ -93,7 +93,7 @@ def test_unknown_checkpoint_name_is_an_error(tmp_path: Path):
 
 
 def test_tied_weights_stored_once():
-    from nanopt.train.parallel import tied_aliases
+    from nanopt.train.parallel.wrap import tied_aliases
 
     model = torch.nn.Module()
     model.embed_tokens, model.x = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 3)

@@ -7,8 +7,8 @@ hypothesis, derandomized and without an example database: for each top-level fie
 meta.json (written by `nanopt train` on a tiny run), a value somewhere inside it is replaced (by a value of another
 type, a boundary number, a neighbour of the value it had) or deleted, or an unknown key is added. The reader is
 the real one, in this process: nanopt.train.checkpoint.verify, the snapshot read by eval and export, the weights
-loaded into the snapshot's model, the resume check and nanopt.train.resume.load_checkpoint into a live training
-session. NANOPT_FUZZ_EXAMPLES sets the examples per field (default 8).
+loaded into the snapshot's model, the resume check and nanopt.train.checkpoint.resume.load_checkpoint into a live
+training session. NANOPT_FUZZ_EXAMPLES sets the examples per field (default 8).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def read_as_nanopt_does(world: dict[str, Any]) -> None:
     from nanopt.evaluate.trained import run_config_from_snapshot
     from nanopt.model.transformer import Transformer
     from nanopt.train import checkpoint as ckpt
-    from nanopt.train.resume import check_resumable, data_fingerprint, load_checkpoint
+    from nanopt.train.checkpoint.resume import check_resumable, data_fingerprint, load_checkpoint
 
     session = world["session"]
     found = ckpt.verify(world["copy"])

@@ -49,7 +49,7 @@ def compiled_step_in_rank(run_dir: Path) -> dict:
     from torch._dynamo.utils import counters
 
     from nanopt.runtime import init_runtime
-    from nanopt.train.parallel import prepare
+    from nanopt.train.parallel.wrap import prepare
 
     _aot_eager_compile()
     run = load_run(run_dir)
@@ -86,7 +86,7 @@ def test_two_ranks_compile_the_model_and_keep_the_parameter_names(tmp_path: Path
 
 
 def test_ddp_buckets_hold_a_whole_layer_of_gradients(tiny_dataset: Path, tmp_path: Path):
-    from nanopt.train.parallel import ddp_bucket_cap_mb
+    from nanopt.train.parallel.wrap import ddp_bucket_cap_mb
 
     run = load_run(tiny_run(tmp_path, tiny_dataset, "run"))
     assert ddp_bucket_cap_mb(Transformer(run.model)) == 25
@@ -104,7 +104,7 @@ def test_shapes_are_static_each_new_shape_its_own_graph(tmp_path: Path, tiny_dat
     from torch._dynamo.backends.registry import lookup_backend
 
     from nanopt.runtime import init_runtime
-    from nanopt.train.parallel import prepare
+    from nanopt.train.parallel.wrap import prepare
 
     symbolic = []
 

@@ -1,6 +1,6 @@
 """On the CPU nanopt chooses torch's intra-op threads from the cores this process may use and how busy they are
 (or keeps the person's OMP_NUM_THREADS), says so in one line, and says once when the steps fall far below the pace
-they kept earlier in the session (nanopt.runtime, nanopt.hardware, nanopt.train.pace).
+they kept earlier in the session (nanopt.runtime, nanopt.hardware, nanopt.train.observe.pace).
 
 The machine readers are tested on real files written here, malformed ones included; the decisions on the cores
 and loads they stand for; the whole on real processes: a `nanopt preflight` and a `nanopt train` pinned to one CPU,
@@ -28,8 +28,8 @@ from trainhelp import HIDE_CUDA, make_run
 
 from nanopt.hardware import CPUCores, busy_elsewhere, cpu_cores, cpu_quota, cpu_ticks, other_work, physical_cores
 from nanopt.runtime import CPUThreads, choose_cpu_threads, set_cpu_threads, thread_setting
-from nanopt.train import pace
-from nanopt.train.pace import SlowdownWatch
+from nanopt.train.observe import pace
+from nanopt.train.observe.pace import SlowdownWatch
 
 ONE_CPU = min(os.sched_getaffinity(0))  # a CPU this process may run on, to pin children to
 # The environment of a person who set no thread count (the suite sets OMP_NUM_THREADS=1 for its own processes).

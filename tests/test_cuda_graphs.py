@@ -1,4 +1,4 @@
-"""train.json "cuda_graphs" (nanopt.train.graphed_step): the micro-step replayed from a CUDA graph.
+"""train.json "cuda_graphs" (nanopt.train.parallel.graphed_step): the micro-step replayed from a CUDA graph.
 
 On the CPU: its refusals, through `nanopt train` and the check itself. On a GPU (marked `gpu`, run by the GPU
 window's gpu-tests step): a replayed step's gradients equal the same step run op by op, across steps whose
@@ -19,7 +19,7 @@ from trainhelp import HIDE_CUDA, losses, make_run
 from nanopt.config import ModelConfig, load_run
 from nanopt.errors import ConfigError
 from nanopt.model.transformer import Transformer
-from nanopt.train.graphed_step import GraphedMicroStep, check_cuda_graphs
+from nanopt.train.parallel.graphed_step import GraphedMicroStep, check_cuda_graphs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 

@@ -24,7 +24,7 @@ from clihelp import assert_user_error
 from faulthelp import Launcher, tiny_run, tree_digest
 
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import TrainLoader, eval_batches
+from nanopt.data.loaders.loader import TrainLoader, eval_batches
 from nanopt.errors import DataError
 from nanopt.rundir import RunDir
 
@@ -288,7 +288,7 @@ def test_checkpoints_record_the_tokenizer_they_were_trained_with(tiny_dataset: P
 def test_eval_refuses_another_tokenizer_even_without_the_training_dataset(tiny_dataset: Path, tiny_corpus: Path,
                                                                           tmp_path: Path, launcher: Launcher,
                                                                           cli_in_process):
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     data = copy_dataset(tiny_dataset, tmp_path)
     run = trained_on(data, tmp_path, launcher)

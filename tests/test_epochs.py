@@ -21,9 +21,9 @@ from conftest import english_like_documents, write_jsonl
 from faulthelp import HANG_GUARD_S, TINY_TRAIN, Child, Launcher, tiny_run
 from trainhelp import final_weights_hash, losses
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import TrainLoader
+from nanopt.data.loaders.loader import TrainLoader
 from nanopt.train import checkpoint as ckpt
 
 SEQ_LEN = 16  # faulthelp.TINY_MODEL's max_position_embeddings
@@ -34,7 +34,7 @@ SETTINGS = {"checkpoint_interval": 4, "eval_interval": 0}  # 40 steps (TINY_TRAI
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real dataset whose train split is a few hundred tokens, in shards of at most 300 tokens."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     root = tmp_path_factory.mktemp("small")
     corpus = write_jsonl(root / "few.jsonl", english_like_documents(12, seed=3, max_sentences=8))
@@ -44,7 +44,7 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def windows_in(dataset: Path) -> int:
-    """Training windows of SEQ_LEN + 1 tokens at stride SEQ_LEN in the train split (nanopt.data.loader)."""
+    """Training windows of SEQ_LEN + 1 tokens at stride SEQ_LEN in the train split (nanopt.data.loaders.loader)."""
     return (TokenDataset.open(dataset).split_tokens("train") - 1) // SEQ_LEN
 
 

@@ -222,7 +222,7 @@ def test_another_dataset_with_the_same_tokenizer_is_accepted(runs, tiny_dataset:
 
 
 def test_a_dataset_with_another_tokenizer_is_refused(runs, tiny_corpus: Path, tmp_path: Path, cli):
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     # Same vocabulary size, trained on less text: the ids mean other strings, which only the hash can tell.
     other = tmp_path / "other"

@@ -24,7 +24,7 @@ from faulthelp import TINY_MODEL, Launcher, tiny_run
 from trainhelp import HIDE_CUDA
 
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import eval_batches
+from nanopt.data.loaders.loader import eval_batches
 from nanopt.errors import DataError
 from nanopt.model.loss import IGNORE_INDEX
 

@@ -224,7 +224,7 @@ def test_a_result_appended_after_a_torn_line_is_kept(tmp_path: Path):
     # An eval killed inside its write (or a machine that lost power) leaves a last line without its newline. The
     # next result must not be glued onto it: readers skip a line that is no JSON, and would lose both.
     from nanopt.evaluate.history import append_result
-    from nanopt.train.eval_history import read_history
+    from nanopt.train.observe.eval_history import read_history
 
     first = {"step": 2, "tokens_trained": 128, "test_loss": 4.8, "settings": {}}
     (tmp_path / "eval_history.jsonl").write_text(json.dumps(first) + "\n" + '{"step": 4, "tok')
@@ -239,7 +239,7 @@ def test_a_result_appended_after_a_torn_line_is_kept(tmp_path: Path):
 
 def test_the_comparison_chart_draws_each_runs_test_loss_from_its_history(tmp_path: Path):
     from nanopt.evaluate.charts import comparison_figure
-    from nanopt.train.metrics import loss_chart
+    from nanopt.train.observe.metrics import loss_chart
 
     runs = [tmp_path / "a", tmp_path / "b"]
     for index, run in enumerate(runs):

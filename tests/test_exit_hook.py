@@ -23,7 +23,7 @@ from faulthelp import Launcher, tiny_run, tree_digest
 
 from nanopt.errors import ConfigError
 from nanopt.train import checkpoint as ckpt
-from nanopt.train.exit_hook import REASONS, ExitDetails, exit_reason, run_exit_hook
+from nanopt.train.guard.exit_hook import REASONS, ExitDetails, exit_reason, run_exit_hook
 
 STOPPED_EARLY = 75  # nanopt's exit status for a run stopped by SIGTERM / SIGINT after saving (see README)
 SEEN = ("$NANOPT_EXIT_REASON|$NANOPT_STEP|$NANOPT_TOTAL_STEPS|$NANOPT_EXIT_STATUS|$NANOPT_RUN_DIR|"
@@ -149,7 +149,7 @@ def test_a_mistyped_run_directory_runs_the_command_but_creates_nothing(tmp_path:
 
 def test_a_second_training_refused_by_the_lock_does_not_run_it(done: Path, tmp_path: Path, cli_in_process):
     """The process holding the run runs the hook when it ends; a shutdown from the refused one would cut it short."""
-    from nanopt.train.lock import RunLock
+    from nanopt.train.guard.lock import RunLock
 
     out, lock = tmp_path / "hook.out", RunLock(done)
     lock.acquire()

@@ -94,7 +94,7 @@ def _transformers_test_loss(hf_model, dataset: Path, seq_len: int) -> tuple[floa
     import torch.nn.functional as F
 
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.loader import eval_batches
+    from nanopt.data.loaders.loader import eval_batches
 
     total, tokens = 0.0, 0
     with torch.no_grad():

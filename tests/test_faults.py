@@ -467,8 +467,8 @@ UNSAFE = re.compile(r"^\s*(import|from)\s+(c?pickle|dill|joblib)\b|\b(c?pickle|d
 
 # The one exception: the shard index of a sharded checkpoint (DCP's `.metadata`, a pickle) is read by an unpickler
 # whose globals are stand-ins made for that one read (tests/test_shard_index_pickle.py feeds it crafted indexes).
-ALLOW_LISTED = {("nanopt/train/shard_index.py", "import pickle"),
-                ("nanopt/train/shard_index.py", "class RecordingUnpickler(pickle.Unpickler):")}
+ALLOW_LISTED = {("nanopt/train/checkpoint/shard_index.py", "import pickle"),
+                ("nanopt/train/checkpoint/shard_index.py", "class RecordingUnpickler(pickle.Unpickler):")}
 
 
 def test_the_package_never_unpickles_or_runs_remote_code():

@@ -166,7 +166,7 @@ def test_a_smaller_bound_finds_a_smaller_batch_and_write_updates_train_json(tmp_
     assert calibration["peak_error"] == pytest.approx(
         calibration["predicted_peak_bytes"] / calibration["measured_peak_bytes"] - 1)
 
-    from nanopt.cli.find_batch import render
+    from nanopt.cli.commands.find_batch import render
 
     monkeypatch.setenv("COLUMNS", "200")  # one table row per line
     render(tight)
@@ -278,7 +278,7 @@ def test_the_memory_models_largest_is_one_statement(tmp_path: Path, tiny_dataset
     report = find_batch_json(cli_on_cpu, tiny_run(tmp_path, tiny_dataset, "run", global_batch_tokens=6 * 16),
                              "--max-memory", "4GiB", "--max", "3")
     first, largest = report["predicted_micro_batch"], report["calibration"]["predicted_max_micro_batch"]
-    from nanopt.cli.find_batch import render
+    from nanopt.cli.commands.find_batch import render
 
     monkeypatch.setenv("COLUMNS", "250")  # one table row per line
     capsys.readouterr()

@@ -20,7 +20,7 @@ from nanopt.model.loss import chunked_cross_entropy
 from nanopt.model.transformer import Transformer
 from nanopt.plan.estimate import EstimateOptions, estimate
 from nanopt.plan.preflight_record import changed_setting, fingerprint
-from nanopt.train.fp8 import apply_fp8, check_fp8, converted_layers, fsdp_float8_all_gather
+from nanopt.train.precision.fp8 import apply_fp8, check_fp8, converted_layers, fsdp_float8_all_gather
 
 # Stated tolerances of the FP8 head against bf16 (both measured from the fp32 loss on the same problem): e4m3 keeps
 # 3 mantissa bits, e5m2 2, so each FP8 element is off by up to 6% / 12%; summed over the GEMMs' inner dimension the

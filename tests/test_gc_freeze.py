@@ -10,8 +10,8 @@ from pathlib import Path
 from faulthelp import tiny_run
 
 from nanopt.config import load_run
-from nanopt.train.events import Silent
 from nanopt.train.loop import train
+from nanopt.train.observe.events import Silent
 from nanopt.train.session import TrainOptions
 
 

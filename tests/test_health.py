@@ -1,5 +1,5 @@
-"""Run health's arithmetic (nanopt.train.health) on synthetic series: each verdict is reached where it should be,
-once, with the numbers it saw; a healthy series reaches none; the verdicts do not depend on how often a run logs;
+"""Run health's arithmetic (nanopt.train.health.verdicts) on synthetic series: each verdict is reached where it should
+be, once, with the numbers it saw; a healthy series reaches none; the verdicts do not depend on how often a run logs;
 and a replay of what the run wrote reaches the verdicts training reached."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nanopt.train.health import (
+from nanopt.train.health.verdicts import (
     HealthMonitor,
     HealthSettings,
     initial_loss_verdict,

@@ -1,4 +1,4 @@
-"""health.png (nanopt.evaluate.health.health_figure): every panel's legend stands beside the panel, never over a
+"""health.png (nanopt.train.health.replay.health_figure): every panel's legend stands beside the panel, never over a
 point of its curves, whatever the curves cover."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from nanopt.evaluate.health import HealthCurves, health_figure
+from nanopt.train.health.replay import HealthCurves, health_figure
 
 
 def _records(steps: int = 300) -> list[dict]:

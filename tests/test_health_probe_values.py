@@ -14,8 +14,8 @@ import torch
 from nanopt.config import ModelConfig
 from nanopt.config.schema import TrainConfig
 from nanopt.model.transformer import Transformer
-from nanopt.train.health_probe import HealthProbe
-from nanopt.train.optim import build_optimizer
+from nanopt.train.health.probe import HealthProbe
+from nanopt.train.optim.optimizer import build_optimizer
 
 LAYERS = 4
 CASES = {

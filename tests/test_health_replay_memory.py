@@ -18,7 +18,7 @@ from trainhelp import HIDE_CUDA, make_run
 # Above the peak of replaying a 1,000-line file (the interpreter, torch and matplotlib: ~400 MB): the monitor's
 # windows and the chart's thinned curves are a few MB; a line is read whole only up to 1 MiB.
 GROWTH_BOUND_MB = 100
-BLOCK = 100  # steps per block of a run of millions of steps (nanopt.train.health.MAX_BLOCK_STEPS)
+BLOCK = 100  # steps per block of a run of millions of steps (nanopt.train.health.verdicts.MAX_BLOCK_STEPS)
 
 _MEASURE = """
 import json, resource, subprocess, sys, time
@@ -91,7 +91,7 @@ def test_eval_health_of_10_million_lines_is_bounded_in_memory_and_linear_in_time
 def test_a_thinned_curve_is_bounded_and_keeps_its_extremes():
     """The chart's curves: 300,000 points thinned to at most two per run of points, the highest spike and the
     lowest dip among them, in the order they came."""
-    from nanopt.train.metrics import CHART_BUCKETS, Thinned
+    from nanopt.train.observe.metrics import CHART_BUCKETS, Thinned
 
     curve = Thinned()
     values = {step: 1.0 + (step * 7919 % 1000) / 10_000 for step in range(1, 300_001)}

@@ -120,7 +120,7 @@ def test_two_gloo_ranks_train_an_import_as_one_process(parallelism, imported, ti
 def other_tokenizer_dataset(tmp_path_factory) -> Path:
     """A dataset with a 512-token vocabulary, like tiny_dataset's, from a BPE trained on another corpus: the ids
     fit the imported model, and mean other words."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     root = tmp_path_factory.mktemp("other")
     corpus = write_jsonl(root / "other.jsonl", english_like_documents(150, seed=11))

@@ -356,8 +356,8 @@ def test_retention_and_clean_up_never_delete_through_a_linked_checkpoints_direct
 def test_tokenize_never_writes_or_replaces_through_a_link(tmp_path: Path, tiny_dataset: Path, force: bool):
     """A link as the output is refused (with --force too: it used to be renamed aside and the new dataset put in its
     place), and so is one at the staging directory's name, which used to be deleted as a leftover."""
-    from nanopt.data.pipeline import build_dataset
-    from nanopt.data.sources import TextListSource
+    from nanopt.data.corpus.sources import TextListSource
+    from nanopt.data.tokenize.pipeline import build_dataset
     from nanopt.errors import WritePathError
 
     target = Path(shutil.copytree(tiny_dataset, tmp_path / "theirs"))

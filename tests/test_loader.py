@@ -13,9 +13,9 @@ import torch
 from conftest import TINY_SETTINGS
 
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import TrainLoader, check_compatible, eval_batches
-from nanopt.data.permutation import FeistelPermutation
-from nanopt.data.pipeline import build_dataset
+from nanopt.data.loaders.loader import TrainLoader, check_compatible, eval_batches
+from nanopt.data.loaders.permutation import FeistelPermutation
+from nanopt.data.tokenize.pipeline import build_dataset
 from nanopt.errors import DataError, ResumeError
 
 

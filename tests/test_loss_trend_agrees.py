@@ -23,7 +23,7 @@ def _trend_row(table: str) -> str:
 def _stop_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """A SIGTERM (a scheduler's, or Ctrl-C) as the loader hands out step `step`'s data: the run saves that step and
     stops, printing its table."""
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
 
     original = TrainLoader.next_batch
 

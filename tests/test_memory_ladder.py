@@ -51,7 +51,7 @@ def train_changed_in_rank(run: Path, overrides: dict) -> dict:
 def _kill_at(step: int, checkpoints: Path, latest: str) -> None:
     import time
 
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
     from nanopt.train.checkpoint import read_pointer
 
     original = TrainLoader.next_batch
@@ -135,7 +135,7 @@ def zero1_state_in_rank(run: Path) -> dict:
 
     s = build_session(load_run(run), init_runtime("fp32"))
     step(s)
-    from nanopt.train.parallel import sharded_state
+    from nanopt.train.parallel.wrap import sharded_state
 
     state = sharded_state(s.prepared, s.optimizer)["optimizer"]
     return {"owned": sorted(state["state"]), "groups": [g["params"] for g in state["param_groups"]],
@@ -201,7 +201,7 @@ def allocated_states_in_rank(run: Path, parallelism: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from nanopt.runtime import init_runtime
-    from nanopt.train.health_probe import HealthProbe
+    from nanopt.train.health.probe import HealthProbe
     from nanopt.train.session import build_session
 
     s = build_session(load_run(run, {"parallelism": parallelism}), init_runtime("fp32"))
@@ -286,7 +286,7 @@ def test_activation_bytes_per_granularity_are_what_backward_keeps(architecture: 
     where SDPA runs its flash kernel as the model assumes), within 10%."""
     from nanopt.model.memory import block_activation_bytes_per_token
     from nanopt.model.transformer import Transformer
-    from nanopt.train.recompute import apply_activation_checkpointing
+    from nanopt.train.parallel.recompute import apply_activation_checkpointing
 
     gpt2 = {"architecture": "gpt2", "num_key_value_heads": 4} if architecture == "gpt2" else {}
     cfg = ModelConfig(**{"architecture": "llama", "vocab_size": 512, **MEASURED_MODEL, "num_hidden_layers": 6,
@@ -328,8 +328,8 @@ def test_adamw8bit_state_is_the_bytes_the_memory_model_counts():
     pytest.importorskip("torchao")
     from nanopt.model.memory import ADAM_8BIT_BYTES, states_only
     from nanopt.model.transformer import Transformer
-    from nanopt.train.lowbit import build_adamw8bit
-    from nanopt.train.optim import decay_groups
+    from nanopt.train.optim.lowbit import build_adamw8bit
+    from nanopt.train.optim.optimizer import decay_groups
 
     # Each quantized tensor carries a 1 KiB code book per moment, which the model leaves out: a model of a few
     # million parameters makes it what it is in real ones, a fraction of a percent.
@@ -356,7 +356,7 @@ EIGHT_BIT_HANG_GUARD_S = 600
 def _codes_in_index(run: Path) -> dict[str, tuple]:
     """{key: (shape, dtype)} of the 8-bit codes the latest (sharded) checkpoint's index lists."""
     from nanopt.train import checkpoint as ckpt
-    from nanopt.train import sharded
+    from nanopt.train.checkpoint import sharded
 
     specs = sharded.stored_specs(ckpt.resolve(run, "latest").path)
     return {key: spec for key, spec in specs.items() if key.endswith("_codes")}
@@ -439,7 +439,7 @@ def test_adamw8bit_moments_that_another_world_size_cannot_hold_are_refused_in_on
     (8-bit); on 3 ranks into 43, 43 and 42 (fp32): the blocks 2 ranks stored cannot be dealt out to 3, and the
     resume is refused before anything is read, saying why and what to do; the same layout passes."""
     from nanopt.errors import CheckpointError
-    from nanopt.train.lowbit import check_stored_moments, quantizes
+    from nanopt.train.optim.lowbit import check_stored_moments, quantizes
 
     shape = (128, 128)
     assert quantizes(shape, 2) and not quantizes(shape, 3)
@@ -464,7 +464,7 @@ def test_one_process_quantizes_what_torchao_does_and_fsdp2_shards_whole_blocks(s
     multiple of 256); on more ranks only where every shard is a whole number of blocks, as FSDP2 splits the rows."""
     import math
 
-    from nanopt.train.lowbit import BLOCK, quantizes, rows_per_block_group, shard_rows
+    from nanopt.train.optim.lowbit import BLOCK, quantizes, rows_per_block_group, shard_rows
 
     numel = math.prod(shape)
     assert quantizes(shape, 1) == (numel >= 4096 and numel % 256 == 0)

@@ -17,13 +17,14 @@ from mixturehelp import WEIGHTS, mixture
 from trainhelp import eval_losses, losses, make_run
 
 from nanopt.config import load_run
-from nanopt.data.mixture import MixtureLoader, open_run_data
+from nanopt.data.mixtures.mixture import MixtureLoader, open_run_data
 from nanopt.train import checkpoint as ckpt
-from nanopt.train.schedule import lr_at
+from nanopt.train.optim.schedule import lr_at
 
 # Stated tolerance: in every window of 100 consecutive steps (and over the run) each source's share of the samples
 # is within half a percentage point of its weight. The interleave's bound is 2 samples in any window of samples
-# (nanopt.data.interleave): 0.125% of the 1,600 samples of 100 steps here, and it is tested on short windows too.
+# (nanopt.data.mixtures.interleave): 0.125% of the 1,600 samples of 100 steps here, and it is tested on short windows
+# too.
 SHARE_TOLERANCE = 0.005
 SAMPLE_TOLERANCE = 2
 

@@ -123,7 +123,7 @@ def test_a_missing_source_is_one_line(tmp_path: Path, sources: dict[str, Path], 
 
 def test_mismatched_tokenizers_are_one_line_naming_both(tmp_path: Path, sources: dict[str, Path], tiny_corpus: Path,
                                                         cli_in_process):
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     other = tmp_path / "other"
     build_dataset(other, str(tiny_corpus), **{**TINY_SETTINGS, "vocab_size": 300})

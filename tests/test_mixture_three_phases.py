@@ -13,8 +13,8 @@ from mixturehelp import WEIGHTS, mixture
 from trainhelp import make_run
 
 from nanopt.config import load_run
-from nanopt.data.interleave import Interleave
-from nanopt.data.mixture import MixtureLoader, open_run_data
+from nanopt.data.mixtures.interleave import Interleave
+from nanopt.data.mixtures.mixture import MixtureLoader, open_run_data
 
 SEQ_LEN = 32  # make_run's model context: every sample is one window of 32 + 1 tokens
 PER_STEP = 16  # 2 ranks x micro-batch 4 x 2 micro-steps

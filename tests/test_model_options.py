@@ -14,7 +14,7 @@ from nanopt.config import ModelConfig
 from nanopt.model import memory as memory_model
 from nanopt.model.flops import count_params, flops_per_token
 from nanopt.model.transformer import Transformer
-from nanopt.train.resume import config_differences
+from nanopt.train.checkpoint.resume import config_differences
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -29,7 +29,7 @@ from faulthelp import HANG_GUARD_S, Child, Launcher, tiny_run, tree_digest
 from trainhelp import HIDE_CUDA, final_weights_hash, losses
 
 from nanopt.rundir import RunDir
-from nanopt.train.lock import RunLock
+from nanopt.train.guard.lock import RunLock
 
 # Four ranks of micro-batch 2 x 16 tokens: one micro-step each, no accumulation. Few steps: eight cold workers
 # share two cores.

@@ -22,7 +22,7 @@ from trainhelp import HIDE_CUDA, final_weights_hash, losses
 from nanopt.config import load_run
 from nanopt.errors import ConfigError
 from nanopt.model.transformer import Transformer
-from nanopt.train.optim import build_optimizer, set_lr
+from nanopt.train.optim.optimizer import build_optimizer, set_lr
 
 MUON = {"optimizer": "muon", "muon_learning_rate": 0.02, "learning_rate": 3e-3}
 
@@ -118,8 +118,8 @@ def muon_state_round_trip_in_rank(run_dir: Path) -> dict:
     from torch.distributed.tensor import DTensor
 
     from nanopt.runtime import init_runtime
-    from nanopt.train.optim import optimizers_of
-    from nanopt.train.parallel import prepare
+    from nanopt.train.optim.optimizer import optimizers_of
+    from nanopt.train.parallel.wrap import prepare
 
     run = load_run(run_dir)
     rt = init_runtime("fp32")
@@ -212,10 +212,10 @@ def test_a_torch_without_muon_is_one_clear_error(tmp_path: Path, tiny_dataset: P
 @pytest.mark.parametrize("batch_elements", [1 << 26, 1])  # every matrix of a shape at once; one at a time
 def test_the_step_batched_by_shape_is_torchs_step(tmp_path: Path, tiny_dataset: Path, monkeypatch,
                                                   batch_elements: int):
-    # nanopt steps whole Muon matrices in batches of one shape (nanopt.train.muon_step), a tenth of torch's kernel
+    # nanopt steps whole Muon matrices in batches of one shape (nanopt.train.optim.muon_step), a tenth of torch's kernel
     # launches. It must be torch's step: the same weights and momentum after every step, wide and tall matrices
     # (Llama's gate and down projections), whatever the batches.
-    from nanopt.train import muon_step
+    from nanopt.train.optim import muon_step
 
     monkeypatch.setattr(muon_step, "BATCH_ELEMENTS", batch_elements)
     run = load_run(tiny_run(tmp_path, tiny_dataset, "run", **MUON))
@@ -244,7 +244,7 @@ def test_a_torch_whose_newton_schulz_nanopt_cannot_call_is_refused_before_traini
     # whose function wants a setting Muon does not have is one clear error when the optimizer is built.
     import torch.optim._muon as torch_muon
 
-    from nanopt.train.optim import _torch_newton_schulz
+    from nanopt.train.optim.optimizer import _torch_newton_schulz
 
     muon = torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 4))])
     _torch_newton_schulz(muon)  # this torch: accepted

@@ -190,7 +190,7 @@ def codes_removed(entries: dict) -> None:
 
 def nan_in_the_second_rank_shard(checkpoint: Path) -> None:
     """A NaN among the scales of rows only the second rank holds: only that rank sees it as it loads."""
-    from nanopt.train import sharded
+    from nanopt.train.checkpoint import sharded
 
     scale = torch.empty(32, 1)
     sharded.load({"optimizer": {"state": {EMBED: {"exp_avg_sq_scale": scale}}}}, checkpoint)

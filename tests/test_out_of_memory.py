@@ -1,5 +1,5 @@
 """A training step that runs out of memory: one line with what to change, exit 2, no traceback, and the checkpoint
-whose background save was in flight published first (nanopt.train.oom).
+whose background save was in flight published first (nanopt.train.guard.oom).
 
 The step is made to fail from the outside (the run's own `step`, wrapped), with torch's own errors: its CUDA
 OutOfMemoryError, and a real refusal of the CPU allocator. A CUDA device cannot be exhausted on purpose here."""

@@ -244,7 +244,7 @@ def test_a_foreign_or_misnamed_step_directory_takes_no_retention_slot_and_is_nev
 
 def test_an_on_exit_command_that_floods_its_output_cannot_fill_the_disk(tmp_path: Path, trained: Path,
                                                                       launcher: Launcher):
-    from nanopt.train.exit_hook import LOG_CAP_BYTES
+    from nanopt.train.guard.exit_hook import LOG_CAP_BYTES
 
     run = copy_of(trained, tmp_path)
     printed = 3 * LOG_CAP_BYTES + 12_345

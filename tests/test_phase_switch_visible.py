@@ -13,7 +13,7 @@ from pathlib import Path
 from mixturehelp import mixture
 from trainhelp import make_run
 
-from nanopt.train.events import Silent
+from nanopt.train.observe.events import Silent
 
 # 8 samples a step (make_run: 256 tokens of 32); phase 2 (web and math alike) from 0-based step 6, phase 3 (code 1,
 # math 3) from step 12: blocks of 2 and 4 samples, so every step reads each phase's weights exactly.
@@ -66,7 +66,7 @@ def _train(run: Path, observer: Stop) -> list[str]:
 
 def test_a_phase_switch_is_said_recorded_tabled_and_charted(tmp_path: Path, mixture_sources: dict[str, Path],
                                                             cli_in_process):
-    from nanopt.train.metrics import event_marks, loss_chart, read_metrics
+    from nanopt.train.observe.metrics import event_marks, loss_chart, read_metrics
 
     run = _run(tmp_path, mixture_sources)
     result = cli_in_process("train", run, "--no-live")

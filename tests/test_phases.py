@@ -106,7 +106,7 @@ def test_the_eta_foresees_the_evaluations_left(tmp_path, tiny_dataset, cli_in_pr
 
 
 def test_phase_records_survive_a_resume_that_drops_later_steps(tmp_path):
-    from nanopt.train.metrics import MetricsLog
+    from nanopt.train.observe.metrics import MetricsLog
 
     run = tmp_path / "run"
     run.mkdir()
@@ -182,7 +182,7 @@ def test_eval_compare_shows_time_and_money_per_phase(trained, tmp_path, cli_in_p
 
 
 def test_one_slow_evaluation_is_noise_two_in_a_row_are_a_cost():
-    from nanopt.train.phases import EvalShareWatch
+    from nanopt.train.observe.phases import EvalShareWatch
 
     watch = EvalShareWatch()
     # (step, the session's train seconds so far, the evaluation's seconds): 10 steps of 0.1 s between evaluations;

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_SETTINGS
 
-from nanopt.data.sources import FileSource
+from nanopt.data.corpus.sources import FileSource
 from nanopt.errors import DataError
 
 
@@ -75,7 +75,7 @@ def test_without_datasets_the_test_corpus_makes_the_same_dataset(tiny_corpus: Pa
                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """What conftest's tiny_dataset (the fixture of the GPU-marked tests) is on a machine without `datasets`: the
     very same shards, tokenizer and splits as where `datasets` reads the corpus."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     pytest.importorskip("datasets")  # tiny_dataset was read through it
     monkeypatch.setitem(sys.modules, "datasets", None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.loader import TrainLoader
+from nanopt.data.loaders.loader import TrainLoader
 
 SEQ, BATCH, ACCUM = 16, 3, 2
 

@@ -13,11 +13,11 @@ from clihelp import assert_user_error
 from faulthelp import tree_digest
 from trainhelp import make_run
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.config import load_run
 from nanopt.plan.preflight import PreflightOptions, preflight
-from nanopt.train.metrics import read_metrics
-from nanopt.train.phases import run_time
+from nanopt.train.observe.metrics import read_metrics
+from nanopt.train.observe.phases import run_time
 
 FAST = ("--steps", "6", "--warmup", "1")
 # Small, yet with steps long enough (about 80 ms on a CPU) that fetching a batch (a millisecond or two) is a small

@@ -316,7 +316,7 @@ def test_trace_is_a_chrome_trace_with_the_data_wait_label(profiled):
 
 
 def test_tables_render(profiled, capsys, monkeypatch):
-    from nanopt.cli.profile import render
+    from nanopt.cli.commands.profile import render
 
     monkeypatch.setenv("COLUMNS", "200")
     render(profiled[1])

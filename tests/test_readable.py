@@ -18,7 +18,7 @@ from clihelp import REPO, assert_user_error
 from faulthelp import Launcher, tiny_run
 
 from nanopt.cli import app
-from nanopt.cli.format import money
+from nanopt.cli.display.format import money
 from nanopt.config import load_run
 
 # ------------------------------------------------------------------------------------------- the comparison

@@ -36,7 +36,7 @@ def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _short_batches_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """The loader hands step `step` (1-based) micro-batches of one row fewer than the run's."""
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
 
     original = TrainLoader.next_batch
 

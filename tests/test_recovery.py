@@ -1,5 +1,5 @@
-"""Automatic recovery (nanopt.train.recovery): a run that spikes or diverges rolls back to a checkpoint from before
-it, skips the data it was reading, lowers the learning rate and trains on; within max_recoveries, else it stops
+"""Automatic recovery (nanopt.train.guard.recovery): a run that spikes or diverges rolls back to a checkpoint from
+before it, skips the data it was reading, lowers the learning rate and trains on; within max_recoveries, else it stops
 with the divergence error.
 
 The trouble is real: a 30-step run resumed with a learning rate raised through --set (--allow-changed), as a person

@@ -56,7 +56,7 @@ def test_a_fresh_run_the_world_size_cannot_take_is_still_one_line(tmp_path: Path
 def test_the_micro_batch_is_free_when_the_world_size_changed_and_not_otherwise():
     from nanopt.config import ModelConfig, RunConfig, TrainConfig
     from nanopt.errors import ResumeError
-    from nanopt.train.resume import check_resumable
+    from nanopt.train.checkpoint.resume import check_resumable
 
     model = ModelConfig(**{"architecture": "llama", "vocab_size": 64, **TINY_MODEL})
     run = RunConfig(run_dir=Path("r"), model=model, train=TrainConfig(data="d", **{**TRAIN, "micro_batch_size": 2}))

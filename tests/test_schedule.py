@@ -9,8 +9,8 @@ import math
 import pytest
 
 from nanopt.config import TrainConfig
-from nanopt.train.optim import param_groups
-from nanopt.train.schedule import lr_at
+from nanopt.train.optim.optimizer import param_groups
+from nanopt.train.optim.schedule import lr_at
 
 BASE = TrainConfig(data="x", micro_batch_size=1, global_batch_tokens=1, max_steps=1000, learning_rate=1e-3,
                    min_lr_ratio=0.1, warmup_steps=100)

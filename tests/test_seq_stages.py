@@ -1,6 +1,6 @@
-"""Sequence-length stages (train.json seq_len_stages, nanopt.config.seq_stages, nanopt.data.staged_loader): where a
-stage starts and what it trains, the learning rate across a boundary, each stage's windows read once on any world
-size, the estimate / find-batch / preflight at the longest stage, the one-line refusals, and exact resume across a
+"""Sequence-length stages (train.json seq_len_stages, nanopt.config.seq_stages, nanopt.data.loaders.staged_loader):
+where a stage starts and what it trains, the learning rate across a boundary, each stage's windows read once on any
+world size, the estimate / find-batch / preflight at the longest stage, the one-line refusals, and exact resume across a
 boundary by real killed processes on one and two ranks."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_the_stage_boundary_and_token_counts_golden():
 
 
 def test_the_learning_rate_is_continuous_across_the_boundary():
-    from nanopt.train.schedule import scheduled_lr
+    from nanopt.train.optim.schedule import scheduled_lr
 
     staged, plain = _run(warmup_steps=10).train, _run(warmup_steps=10, seq_len_stages=None).train
     lrs = [scheduled_lr(k, 123, staged) for k in range(123)]
@@ -75,8 +75,8 @@ def _handed(loader, steps):
 
 def test_the_loader_hands_each_stages_windows_once_from_where_the_tokens_put_it(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.permutation import FeistelPermutation
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.permutation import FeistelPermutation
+    from nanopt.data.loaders.staged_loader import StagedLoader
 
     dataset = TokenDataset.open(tiny_dataset)
     one = StagedLoader(dataset, "train", STAGES, 2, 0, 1, seed=3)
@@ -102,7 +102,7 @@ def test_the_loader_hands_each_stages_windows_once_from_where_the_tokens_put_it(
 
 def test_the_loader_state_resumes_in_its_stage(tiny_dataset: Path):
     from nanopt.data.dataset import TokenDataset
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.staged_loader import StagedLoader
     from nanopt.errors import ResumeError
 
     dataset = TokenDataset.open(tiny_dataset)
@@ -259,7 +259,7 @@ def test_the_stages_cannot_change_on_resume_even_when_asked():
     """Every step's samples follow from the stages: changed, a checkpoint's step would point at other data."""
     from nanopt.config import ModelConfig, RunConfig, TrainConfig
     from nanopt.errors import ResumeError
-    from nanopt.train.resume import check_resumable
+    from nanopt.train.checkpoint.resume import check_resumable
 
     model = ModelConfig(**{"architecture": "llama", "vocab_size": 64, **STAGED_MODEL})
     saved = RunConfig(run_dir=Path("r"), model=model, train=TrainConfig(data="d", **STAGED)).snapshot()
@@ -272,7 +272,7 @@ def test_the_stages_cannot_change_on_resume_even_when_asked():
 
 def test_a_resume_on_more_ranks_lowers_the_micro_batch_to_one_whole_in_every_stage(tmp_path: Path,
                                                                                    tiny_dataset: Path):
-    from nanopt.train.world_fit import micro_batch_for_world
+    from nanopt.train.parallel.world_fit import micro_batch_for_world
 
     # 192 tokens a step, micro-batch 4 x 16 (2 x 32 in the stage): accumulation 3 on one rank. On two ranks each
     # takes 6 sequences of 16 a step: 4 does not divide them; 3 would, but is a sequence and a half of 32.

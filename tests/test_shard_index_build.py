@@ -27,7 +27,7 @@ from trainhelp import make_run
 
 from nanopt.errors import CheckpointError
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import shard_index
+from nanopt.train.checkpoint import shard_index
 
 DTYPES = [("torch", "float32"), ("torch", "bfloat16"), ("torch", "int64")]
 GLOBALS = sorted(shard_index.INDEX_GLOBALS) + DTYPES

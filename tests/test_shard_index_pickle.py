@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanopt.errors import CheckpointError
-from nanopt.train import shard_index, sharded
+from nanopt.train.checkpoint import shard_index, sharded
 
 ALLOWED_MODULES = sorted({module for module, _ in shard_index.INDEX_GLOBALS})
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 RECORDER = """
 import os
 if os.environ.get("SAMPLE_LOG"):
-    from nanopt.data import loader
+    from nanopt.data.loaders import loader
 
     _next_batch = loader.TrainLoader.next_batch
 

@@ -107,7 +107,7 @@ def test_wandb_offline_run_holds_the_history_and_the_final_loss(tmp_path, tiny_d
 
 def test_wandb_is_online_with_a_key_and_offline_without_one_saying_where(tmp_path, tiny_dataset, monkeypatch):
     from nanopt.config import load_run
-    from nanopt.train.sinks import wandb_mode
+    from nanopt.train.observe.sinks import wandb_mode
 
     run = load_run(tiny_run(tmp_path, tiny_dataset, "modes", wandb_project="nanopt", **SHORT))
     (tmp_path / "netrc").write_text("")
@@ -161,7 +161,7 @@ def test_a_bad_wandb_project_name_is_refused(tmp_path, tiny_dataset, cli_in_proc
 def test_the_loss_chart_marks_recoveries_and_loss_spikes(tmp_path):
     from matplotlib.image import imread
 
-    from nanopt.train.metrics import MetricsLog, loss_chart, write_loss_chart
+    from nanopt.train.observe.metrics import MetricsLog, loss_chart, write_loss_chart
 
     run = tmp_path / "marked"
     run.mkdir()

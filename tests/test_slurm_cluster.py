@@ -47,7 +47,7 @@ if os.environ.get("SLURM_PROCID") == "0":
     time.sleep(float(os.environ.get("NANOPT_TEST_RANK0_LATE_S") or 0))
 PAUSE_S = float(os.environ.get("NANOPT_TEST_STEP_PAUSE_S") or 0)
 if PAUSE_S:
-    from nanopt.data.loader import TrainLoader
+    from nanopt.data.loaders.loader import TrainLoader
     _next_batch = TrainLoader.next_batch
 
     def next_batch(self):

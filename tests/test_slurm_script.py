@@ -22,8 +22,8 @@ from trainhelp import HIDE_CUDA
 from nanopt.errors import ConfigError
 from nanopt.slurm_script import parse_time, plan_job, sbatch_lines
 
-WRITE = [sys.executable, "-c", "import sys, nanopt.cli.slurm; from nanopt.cli import main; sys.argv[0] = 'nanopt'; "
-         "main()", "slurm"]
+WRITE = [sys.executable, "-c", "import sys, nanopt.cli.commands.slurm; from nanopt.cli import main; "
+         "sys.argv[0] = 'nanopt'; main()", "slurm"]
 
 
 def nanopt_slurm(*args: str) -> subprocess.CompletedProcess:

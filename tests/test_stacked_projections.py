@@ -131,7 +131,7 @@ def test_layers_torchao_converted_to_fp8_keep_their_own_gemm():
     """fp8 "all" converts the layers its measurements favour (here gate and up, not the 1024-wide q, k, v): stacking
     leaves those layers to their own FP8 GEMM and stacks the rest."""
     pytest.importorskip("torchao.float8")
-    from nanopt.train.fp8 import apply_fp8
+    from nanopt.train.precision.fp8 import apply_fp8
 
     cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=1024, intermediate_size=4160,
                       num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=64)
@@ -144,7 +144,7 @@ def test_layers_torchao_converted_to_fp8_keep_their_own_gemm():
     for name in ("attn.q_proj", "mlp.gate_proj", "mlp.up_proj"):
         converted.layers[0].get_submodule(name).register_forward_hook(lambda *_, name=name: called.append(name))
     ids, targets = batch(cfg, rows=1, seq=16)
-    with torch.no_grad():  # the converted layers run in plain precision without gradients (nanopt.train.fp8)
+    with torch.no_grad():  # the converted layers run in plain precision without gradients (nanopt.train.precision.fp8)
         loss = converted(ids, targets)
     assert called == ["mlp.gate_proj", "mlp.up_proj"]  # q, k, v stacked; gate and up by their own forwards
     with torch.no_grad():
@@ -238,7 +238,7 @@ def test_the_memory_model_counts_what_stacked_blocks_keep(architecture: str):
     tokens = torch.randint(0, cfg.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
 
     def measured(stacked: bool, autocast: torch.dtype | None, checkpointing: bool | int = False) -> tuple[float, float]:
-        from nanopt.train.recompute import apply_activation_checkpointing
+        from nanopt.train.parallel.recompute import apply_activation_checkpointing
 
         torch.manual_seed(0)
         model = Transformer(cfg)

@@ -10,7 +10,7 @@ from clihelp import REPO
 
 WATCHED = r"""
 import sys, time
-from nanopt.train.stall import StallWatch
+from nanopt.train.guard.stall import StallWatch
 
 def hold_the_gil(seconds):
     # builtin sum over a range runs in C: no other thread can take the GIL until it returns

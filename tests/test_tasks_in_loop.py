@@ -50,7 +50,7 @@ def test_tasks_are_scored_every_downstream_interval_and_a_bad_one_is_skipped(tmp
 
 
 def test_the_loss_chart_draws_task_accuracy(tmp_path: Path):
-    from nanopt.train.metrics import MetricsLog, loss_chart
+    from nanopt.train.observe.metrics import MetricsLog, loss_chart
 
     run = tmp_path / "run"
     run.mkdir()

@@ -21,9 +21,9 @@ from faulthelp import Launcher, tiny_run
 from rich.text import Text
 from trainhelp import make_run
 
-from nanopt.cli import format as fmt
+from nanopt.cli.display import format as fmt
 from nanopt.cli.terminal import SafeConsole
-from nanopt.shown import printable, shell_word
+from nanopt.untrusted_text import printable, shell_word
 
 # What a crafted value tries: set the window title (OSC), erase the line (CSI), a one-byte CSI (C1), reverse the
 # text that follows (a bidi override), and rich markup, one tag of which closes nothing.

@@ -14,11 +14,11 @@ from clihelp import assert_user_error, run_cli
 from conftest import TINY_SETTINGS, english_like_documents, write_jsonl
 
 from nanopt.data.budget import chinchilla_tokens, parse_token_count, resolve_max_tokens
+from nanopt.data.corpus.sources import HubSource, StdlibSource, TextListSource
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.documents import split_of
-from nanopt.data.pipeline import build_dataset
-from nanopt.data.sources import HubSource, StdlibSource, TextListSource
-from nanopt.data.tokenizer import load_tokenizer
+from nanopt.data.tokenize.documents import split_of
+from nanopt.data.tokenize.pipeline import build_dataset
+from nanopt.data.tokenizers.tokenizer import load_tokenizer
 from nanopt.errors import ConfigError, DataError
 
 

@@ -10,10 +10,10 @@ import pytest
 from clihelp import assert_user_error
 from conftest import english_like_documents, write_jsonl
 
-from nanopt.data.documents import MAX_PIECE_CHARS, split_of
-from nanopt.data.pipeline import build_dataset
-from nanopt.data.sources import TextListSource
-from nanopt.data.tokenizer import load_tokenizer
+from nanopt.data.corpus.sources import TextListSource
+from nanopt.data.tokenize.documents import MAX_PIECE_CHARS, split_of
+from nanopt.data.tokenize.pipeline import build_dataset
+from nanopt.data.tokenizers.tokenizer import load_tokenizer
 
 SHARE = 0.05  # the default share of documents held out for val, and as many for test
 

@@ -26,10 +26,10 @@ from clihelp import REPO, assert_user_error
 from conftest import english_like_documents, write_jsonl
 from faulthelp import tree_digest
 
+from nanopt.data.corpus.sources import StdlibSource, TextListSource
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.pipeline import ProgressReporter, build_dataset
-from nanopt.data.sources import StdlibSource, TextListSource
-from nanopt.data.tokenizer import load_tokenizer, train_bpe
+from nanopt.data.tokenize.pipeline import ProgressReporter, build_dataset
+from nanopt.data.tokenizers.tokenizer import load_tokenizer, train_bpe
 from nanopt.errors import DataError
 
 NO_HELD_OUT = {"val_fraction": 0.0, "test_fraction": 0.0}
@@ -166,7 +166,7 @@ def test_the_builtin_corpus_counts_and_warns_through_the_reporter(tmp_path: Path
 
 
 def test_many_files_with_bad_bytes_warn_one_by_one_up_to_a_limit_and_meta_has_them_all(tmp_path: Path):
-    from nanopt.data.pipeline import MAX_DECODE_WARNINGS
+    from nanopt.data.tokenize.pipeline import MAX_DECODE_WARNINGS
 
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -261,7 +261,7 @@ def awkward_text(seed: int) -> str:
 
 @pytest.mark.parametrize("style", ["gpt2", "llama3"])
 def test_pieces_cut_at_whitespace_encode_to_the_same_ids_as_the_whole(style: str, bpe):
-    from nanopt.data.tokenizer import piece_ends
+    from nanopt.data.tokenizers.tokenizer import piece_ends
 
     tokenizer = bpe if style == "gpt2" else llama3_style_bpe()
     for seed in range(3):
@@ -284,7 +284,7 @@ def test_pieces_cut_at_whitespace_encode_to_the_same_ids_as_the_whole(style: str
 def test_text_without_spaces_is_cut_hard_at_the_bound_and_still_round_trips(bpe):
     """A minified dump or base64 has nowhere safe to cut: pieces end at the bound, ids may differ only around
     the cuts (merges across them are lost), and the bytes are all there."""
-    from nanopt.data.tokenizer import piece_ends
+    from nanopt.data.tokenizers.tokenizer import piece_ends
 
     text = "".join(random.Random(1).choice("abcdefgh{}[]:,0123456789") for _ in range(10_000))
     ends = piece_ends(text, 1000)
@@ -301,7 +301,7 @@ def long_document(chars: int, seed: int = 9) -> str:
 
 
 def test_a_long_document_is_encoded_in_pieces_with_one_eos_and_the_same_ids(bpe, tmp_path: Path):
-    from nanopt.data.documents import MAX_PIECE_CHARS
+    from nanopt.data.tokenize.documents import MAX_PIECE_CHARS
 
     long = long_document(3 * MAX_PIECE_CHARS + 12_345)
     texts = english_like_documents(5, seed=10) + [long] + english_like_documents(3, seed=11)

@@ -22,11 +22,11 @@ from conftest import english_like_documents, write_jsonl
 from faulthelp import TINY_MODEL
 
 from nanopt.data.budget import resolve_max_tokens
+from nanopt.data.corpus.sources import TextListSource
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.documents import split_of
-from nanopt.data.pipeline import build_dataset
-from nanopt.data.sources import TextListSource
-from nanopt.data.tokenizer import load_tokenizer
+from nanopt.data.tokenize.documents import split_of
+from nanopt.data.tokenize.pipeline import build_dataset
+from nanopt.data.tokenizers.tokenizer import load_tokenizer
 from nanopt.errors import DataError
 
 SHARE = 0.05  # the default share of documents held out for val, and as many for test
@@ -180,7 +180,7 @@ def test_a_small_max_tokens_still_fills_val_and_test(tmp_path: Path, gpt2_style:
 
 def test_a_long_held_out_document_that_meets_the_target_past_the_budget_is_written_whole(tmp_path: Path,
                                                                                         gpt2_style: Path):
-    from nanopt.data.documents import MAX_PIECE_CHARS
+    from nanopt.data.tokenize.documents import MAX_PIECE_CHARS
 
     body = " ".join(english_like_documents(800, seed=8, max_sentences=8))
     long = next(text for seed in range(200) if split_of((text := f"{seed} {body}").encode(), SHARE, SHARE) == "test")

@@ -10,10 +10,10 @@ import pytest
 from clihelp import assert_user_error, run_cli
 from conftest import english_like_documents
 
+from nanopt.data.corpus.sources import TextListSource
 from nanopt.data.dataset import TokenDataset
-from nanopt.data.pipeline import build_dataset
-from nanopt.data.shuffle import shuffled
-from nanopt.data.sources import TextListSource
+from nanopt.data.tokenize.pipeline import build_dataset
+from nanopt.data.tokenize.shuffle import shuffled
 
 
 def test_buffer_holds_at_most_n_documents_and_emits_a_seeded_permutation():

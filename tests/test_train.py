@@ -136,7 +136,7 @@ def test_run_directory_contents_and_summary(tmp_path: Path, tiny_dataset: Path, 
 
 def test_lr_in_metrics_follows_the_schedule(tmp_path: Path, tiny_dataset: Path, launcher: Launcher):
     from nanopt.config import load_run
-    from nanopt.train.schedule import lr_at
+    from nanopt.train.optim.schedule import lr_at
 
     run = make_run(tmp_path, tiny_dataset, max_steps=10, eval_interval=0)
     launcher.train(run)

@@ -40,9 +40,9 @@ from nanopt.data.dataset import TokenDataset
 from nanopt.errors import DataError, NanoptError
 from nanopt.evaluate.report import bits_per_byte
 from nanopt.rundir import RunDir
-from nanopt.train.metrics import MetricsLog, event_marks, loss_curves, read_metrics
-from nanopt.train.phases import run_time
-from nanopt.train.resume import data_fingerprint
+from nanopt.train.checkpoint.resume import data_fingerprint
+from nanopt.train.observe.metrics import MetricsLog, event_marks, loss_curves, read_metrics
+from nanopt.train.observe.phases import run_time
 
 EXAMPLES = int(os.environ.get("NANOPT_FUZZ_EXAMPLES", "100"))
 PROPERTY = settings(derandomize=True, database=None, deadline=timedelta(seconds=10), max_examples=EXAMPLES,
@@ -270,7 +270,7 @@ def test_a_named_pipe_for_metrics_jsonl_is_one_line_not_a_hang(trained: Path, tm
 
 def test_tokenize_does_not_block_on_a_named_pipe_where_meta_json_belongs(tiny_dataset: Path, tmp_path: Path):
     from nanopt.data.output import is_dataset
-    from nanopt.data.tokenizer import load_tokenizer
+    from nanopt.data.tokenizers.tokenizer import load_tokenizer
 
     data = copy_of(tiny_dataset, tmp_path)
     make_fifo(data / "meta.json")

@@ -329,7 +329,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def other_tokenizer(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """A dataset of the same kind of text, made with another (smaller) tokenizer."""
-    from nanopt.data.pipeline import build_dataset
+    from nanopt.data.tokenize.pipeline import build_dataset
 
     out = tmp_path_factory.mktemp("other") / "data"
     build_dataset(out, str(corpus), vocab_size=300, val_fraction=0.1, test_fraction=0.2)

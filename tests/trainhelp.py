@@ -84,7 +84,7 @@ def final_weights_hash(run: Path) -> str:
 
 def write_tiny_checkpoint(run: Path, step: int) -> Path:
     """A real one-process checkpoint of a tiny llama (vocab 16, hidden 8, one layer) at `step`, every weight
-    filled with `step`, written by nanopt.train.checkpoint.write_checkpoint with the fields nanopt.train.save
+    filled with `step`, written by nanopt.train.checkpoint.write_checkpoint with the fields nanopt.train.checkpoint.save
     gives it (config snapshot, RNG state, AdamW state and groups), without training: for tests of checkpoint
     discovery, ordering and damage that need many checkpoints fast."""
     import torch
@@ -93,7 +93,7 @@ def write_tiny_checkpoint(run: Path, step: int) -> Path:
     from nanopt.model.transformer import Transformer
     from nanopt.rng import rng_state
     from nanopt.train import checkpoint as ckpt
-    from nanopt.train.optim import group_names
+    from nanopt.train.optim.optimizer import group_names
 
     cfg = ModelConfig(architecture="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, max_position_embeddings=8)

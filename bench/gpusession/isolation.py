@@ -176,7 +176,7 @@ def start_nanopt(args: list[str], output: Path, log_recompiles: bool = False, ki
 
 def _kill_at_batch(n: int) -> None:
     """In a forked child: SIGKILL this process when the training loader is asked for its nth batch."""
-    from nanopt.data import loader
+    from nanopt.data.loaders import loader
 
     original, calls = loader.TrainLoader.next_batch, [0]
 

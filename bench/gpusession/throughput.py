@@ -233,7 +233,7 @@ def step_throughput_fp8(ctx: Context, preset_name: str = "llama-1b", wanted_micr
     from gpusession.comparisons import torchao_installed
     from nanopt.devices import MemoryProbe
     from nanopt.errors import NanoptError
-    from nanopt.train.fp8 import check_fp8
+    from nanopt.train.precision.fp8 import check_fp8
 
     workload = f"{preset_name}:fp8"
     b = _setup(ctx, workload, preset_name, wanted_micro, accum_cap, timed_micro)

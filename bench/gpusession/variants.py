@@ -5,7 +5,7 @@ second's) decides the setting's default.
 
 stacked: q/k/v, and the Llama's gate/up, as one GEMM each (nanopt.model.stacked) against one GEMM per layer;
 decides Transformer.stack_projections.
-graphs: each micro-batch replayed from a CUDA graph (train.json cuda_graphs, nanopt.train.graphed_step) against
+graphs: each micro-batch replayed from a CUDA graph (train.json cuda_graphs, nanopt.train.parallel.graphed_step) against
 launched kernel by kernel; decides cuda_graphs' default. Refused where it cannot apply (the CPU of a smoke run):
 that side is recorded as refused and the other still runs.
 """
@@ -41,7 +41,7 @@ def _build(b: _Bench, question: Question, on: bool) -> Any:
     graph. ConfigError: the side cannot run here."""
     from bench_train import Side, random_token_session
 
-    from nanopt.train.graphed_step import check_cuda_graphs
+    from nanopt.train.parallel.graphed_step import check_cuda_graphs
     from nanopt.train.step import step
 
     run = dataclasses.replace(b.run, train=question.train(b.run.train, on))

@@ -1,8 +1,8 @@
 """The Typer application and what every command shares: error handling, --set, --json output.
 
-Commands live one per module beside this file; each parses its options, calls one library function and
-renders the result. Torch and other heavy libraries are imported inside the command functions only, so
-`nanopt --help` stays fast.
+Commands live one per module in nanopt.cli.commands; each parses its options, calls one library function and
+renders the result (nanopt.cli.display). Torch and other heavy libraries are imported inside the command functions
+only, so `nanopt --help` stays fast.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nanopt.cli.rank_errors import hand_to_launcher
 from nanopt.cli.terminal import SafeConsole
 from nanopt.errors import DistributedError, NanoptError
 from nanopt.runtime import ranks
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 app = App(
     name="nanopt",
@@ -95,7 +95,7 @@ def _started(argv: list[str] | None) -> float:
     """A command started as a process (argv None: the command line) is billed from the process start, imports
     included; a call from Python (tests, a notebook) from now, not from whenever its process began."""
     if argv is None:
-        from nanopt.train.phases import process_start_time
+        from nanopt.train.observe.phases import process_start_time
 
         return process_start_time()
     return time.time()

@@ -4,8 +4,8 @@ Run names, train.json values, dataset and checkpoint paths, tokenizer sources an
 notes and error lines. Each command escapes such values with rich.markup.escape where it mixes them with its own
 markup; this console is the net under all of it:
 
-- control characters (ESC, C1, bidi overrides, ...) become visible escapes (nanopt.shown.printable), both in the
-  strings printed and in every segment rendered, so no value can erase lines or set the window title;
+- control characters (ESC, C1, bidi overrides, ...) become visible escapes (nanopt.untrusted_text.printable), both
+  in the strings printed and in every segment rendered, so no value can erase lines or set the window title;
 - a value that still reaches markup unescaped and is not valid markup (a closing tag such as `[/x]` in a
   directory name) is printed as it is, instead of a MarkupError traceback;
 - no emoji codes: `:smile:` in a value stays text.
@@ -21,7 +21,7 @@ from rich.errors import MarkupError
 from rich.segment import Segment
 from rich.text import Text
 
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 
 class SafeConsole(Console):

@@ -61,7 +61,7 @@ class Mixture:
 
 
 def wsd_decay_start(total_steps: int, warmup_steps: int, decay_fraction: float) -> int:
-    """The first step of a WSD schedule's linear decay (nanopt.train.schedule.lr_at uses the same step)."""
+    """The first step of a WSD schedule's linear decay (nanopt.train.optim.schedule.lr_at uses the same step)."""
     warmup = min(warmup_steps, total_steps)
     return max(warmup, max(total_steps - 1, 1) - int(round(decay_fraction * total_steps)))
 

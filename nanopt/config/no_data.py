@@ -10,7 +10,7 @@ from typing import Any
 
 from nanopt.errors import ConfigError
 from nanopt.rundir import STEP_NAME, RunDir
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 DATA_PLACEHOLDER = "SET ME: a dataset made with this run's tokenizer (see _note)"
 _TOKENIZER = "tokenizer.json"  # what a checkpoint carries (nanopt.train.checkpoint.TOKENIZER_FILE, a layer above)

@@ -23,8 +23,8 @@ from nanopt.parsing import plain_path, show_value
 
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-Parallelism = Literal["ddp", "zero1", "zero2", "fsdp", "fsdp_offload"]  # nanopt.train.parallel
-# false, true (every block), k (every k-th block) or "selective" (nanopt.train.recompute)
+Parallelism = Literal["ddp", "zero1", "zero2", "fsdp", "fsdp_offload"]  # nanopt.train.parallel.wrap
+# false, true (every block), k (every k-th block) or "selective" (nanopt.train.parallel.recompute)
 ActivationCheckpointing = bool | int | Literal["selective"]
 OptimizerName = Literal["adamw", "muon", "adamw8bit"]
 CompileMode = bool | Literal["auto"]
@@ -78,19 +78,21 @@ class TrainConfig:
     # step waits for every save, and the host copy is freed after each.
     checkpoint_async: bool = True
     log_interval: int = 10
-    health: bool = True  # health signals at log steps and their verdicts (nanopt.train.health)
+    health: bool = True  # health signals at log steps and their verdicts (nanopt.train.health.verdicts)
     seed: int = 1337
     precision: Precision = "auto"  # auto: bf16 on CUDA with bf16 support, else fp32
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores; false: true fp32 (a reference for bf16 runs)
     compile: CompileMode = "auto"  # auto: on for CUDA, off on the CPU
-    # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once (nanopt.train.
-    # graphed_step), which removes the host's launch gaps between kernels. Off until a GPU window measures it.
+    # One GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once
+    # (nanopt.train.parallel.graphed_step), which removes the host's launch gaps between kernels. Off until a GPU
+    # window measures it.
     cuda_graphs: bool = False
     # bf16: the residual stream between blocks kept in bf16 instead of fp32 (norms still compute in fp32): less
     # memory and traffic, each residual addition rounded to bf16. Changes the numerics: opt-in.
     bf16_residual: bool = False
     # FP8 matmuls (GPUs with FP8 tensor cores, bf16): "head", the output head in the loss; "all", also the blocks'
-    # larger linear layers through torchao (nanopt.train.fp8). Weights and checkpoints are the same either way.
+    # larger linear layers through torchao (nanopt.train.precision.fp8). Weights and checkpoints are the same either
+    # way.
     fp8: Fp8Mode = "off"
     activation_checkpointing: ActivationCheckpointing = False
     parallelism: Parallelism = "ddp"
@@ -98,7 +100,7 @@ class TrainConfig:
     muon_learning_rate: float = 0.02  # Muon's peak LR; the schedule scales it by the same factor as learning_rate
     max_nonfinite_steps: int = 5  # consecutive skipped non-finite steps before training stops
     spike_threshold: float = 6.0  # loss-spike report: this many standard deviations above the rolling mean
-    # Automatic recovery (nanopt.train.recovery): on a confirmed spike or divergence, roll back to the newest
+    # Automatic recovery (nanopt.train.guard.recovery): on a confirmed spike or divergence, roll back to the newest
     # checkpoint before it, skip past the data being read, lower the learning rate and ramp it back, go on.
     recovery: bool = True
     recovery_confirm_steps: int = 3  # consecutive spiking steps (spike_threshold) that confirm a spike
@@ -109,8 +111,10 @@ class TrainConfig:
     price_per_hour: float | None = None  # USD per GPU-hour for live cost; default: the GPU table's price, if known
     on_exit: str | None = None  # a shell command rank 0 runs once when the run ends, for any reason
     on_exit_timeout_s: float = 300.0  # the on_exit command is stopped after this many seconds
-    stall_timeout_s: float = 1800.0  # no progress for this long after the first step: reported (nanopt.train.stall)
-    tensorboard: bool = False  # also log every metrics.jsonl record to runs/NAME/tensorboard/ (nanopt.train.sinks)
+    # no progress for this long after the first step: reported (nanopt.train.guard.stall)
+    stall_timeout_s: float = 1800.0
+    # also log every metrics.jsonl record to runs/NAME/tensorboard/ (nanopt.train.observe.sinks)
+    tensorboard: bool = False
     wandb_project: str | None = None  # a W&B project name turns Weights & Biases logging on
     wandb_mode: WandbMode | None = None  # default: online with an API key (or `wandb login`), else offline
     data_phases: list[Any] | None = None  # a mixture per phase: [{"from": 0.9 | STEP | "decay", "mixture": {...}}]

@@ -13,7 +13,7 @@ longer than the model's max_position_embeddings: that is the model's context (it
 gpt2, the context export writes), so a stage past it would train positions the model says it does not have.
 
 Everything here is a pure function of train.json and model.json, never of the world size: the loader
-(nanopt.data.staged_loader) reads stage i's windows of its length from their own shuffled order, starting where
+(nanopt.data.loaders.staged_loader) reads stage i's windows of its length from their own shuffled order, starting where
 the tokens trained before the stage put it, so a run resumes exactly on any number of ranks across a boundary.
 Evaluation stays at the base seq_len, so every validation loss of the run is comparable.
 """

@@ -25,8 +25,8 @@ def _chinchilla_budget(run: RunConfig) -> int:
 
 def tokens_to_train(run: RunConfig) -> int:
     """The train-split tokens `run` reads in one pass, each once: its total_steps whole global batches of windows of
-    seq_len + 1 tokens at stride seq_len (nanopt.data.loader), so RunConfig.total_tokens plus the last window's last
-    target. A smaller split is read more than once (several epochs)."""
+    seq_len + 1 tokens at stride seq_len (nanopt.data.loaders.loader), so RunConfig.total_tokens plus the last window's
+    last target. A smaller split is read more than once (several epochs)."""
     return run.total_tokens + 1
 
 
@@ -39,7 +39,7 @@ def chinchilla_train_tokens(run_dir: Path | str, out: Path | str | None = None) 
     at_chinchilla = dataclasses.replace(run.train, train_tokens=_chinchilla_budget(run), max_steps=None)
     run = dataclasses.replace(run, train=at_chinchilla)
     if out is not None and run.mixture is not None:
-        from nanopt.data.mixture_plan import plan_mixture
+        from nanopt.data.mixtures.mixture_plan import plan_mixture
 
         for plan in plan_mixture(run) or []:
             if Path(plan.path).resolve() == Path(out).resolve():
@@ -50,8 +50,8 @@ def chinchilla_train_tokens(run_dir: Path | str, out: Path | str | None = None) 
 def resolve_max_tokens(text: str | None, run_dir: Path | str | None = None,
                        out: Path | str | None = None) -> int | None:
     """The --max-tokens option: None (no budget), a count, or `chinchilla` (needs --run; a run given without it
-    still sets the held-out splits' defaults, nanopt.data.settings). `out`: the dataset being made, which may be
-    one source of the run's mixture."""
+    still sets the held-out splits' defaults, nanopt.data.tokenize.settings). `out`: the dataset being made, which may
+    be one source of the run's mixture."""
     if text is None:
         return None
     if text.strip().lower() == "chinchilla":

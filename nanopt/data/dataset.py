@@ -17,7 +17,7 @@ What is checked, and what it costs (sha256 runs at roughly 0.5-1.5 GB/s on one c
   (links to one are followed): a named pipe, device or directory in their place is refused without blocking.
 - `open`, when the shards total at most VERIFY_AT_OPEN_BYTES (1 GiB: about 1-2 s): the sha256 of every shard,
   so a shard rewritten in place with the same size fails too. Larger datasets skip this at open; their token ids
-  are still range-checked as the loader reads them (nanopt.data.loader), and `verify` hashes everything on
+  are still range-checked as the loader reads them (nanopt.data.loaders.loader), and `verify` hashes everything on
   demand, with a progress callback.
 """
 
@@ -34,7 +34,7 @@ from nanopt.data.meta import read_meta, retokenize_hint
 from nanopt.data.shards import ShardHeader, map_shard, read_header, sha256_file
 from nanopt.errors import DataError
 from nanopt.parsing import path_kind
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 if TYPE_CHECKING:
     from nanopt.config import ModelConfig, RunConfig
@@ -151,7 +151,7 @@ class TokenDataset:
         """The parsed tokenizers.Tokenizer, read once. Commands that need it call this when they open the dataset,
         so an unreadable file fails before their expensive work rather than after it."""
         if self._tokenizer is None:
-            from nanopt.data.tokenizer import read_tokenizer_file
+            from nanopt.data.tokenizers.tokenizer import read_tokenizer_file
 
             self._tokenizer = read_tokenizer_file(self.tokenizer_path, retokenize_hint(self.path))
         return self._tokenizer

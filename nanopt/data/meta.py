@@ -31,7 +31,7 @@ import numpy as np
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, token_dtype
 from nanopt.errors import DataError
 from nanopt.parsing import INT64_MAX, read_json, show_value
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 DTYPES = ("uint16", "uint32")
 MAX_VOCAB_SIZE = 2**32  # token ids are stored as uint32 at most

@@ -11,7 +11,7 @@ from typing import Any
 
 import nanopt
 from nanopt.data.shards import FORMAT, FORMAT_VERSION, dtype_name, sha256_file, token_dtype
-from nanopt.data.tokenizer import NamedTokenizer
+from nanopt.data.tokenizers.tokenizer import NamedTokenizer
 from nanopt.errors import DataError, NanoptError
 from nanopt.files import link_refused, new_dir, remove_tree
 from nanopt.parsing import read_json, save_json

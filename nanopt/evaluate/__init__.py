@@ -2,6 +2,7 @@
 comparison of runs.
 
 The held-out loss itself is training's in-loop validation (nanopt.train.validation), so both score a split the
-same way; checkpoints are read through nanopt.train.checkpoint. Never the CLI or rich (progress goes through
+same way; checkpoints are read through nanopt.train.checkpoint. Run health's replay (`nanopt eval --health`) is
+nanopt.train.health.replay, beside the monitor it replays. Never the CLI or rich (progress goes through
 `report.Progress`).
 """

@@ -13,7 +13,7 @@ from typing import Any
 
 from nanopt.errors import ConfigError
 from nanopt.evaluate.history import loss_by_tokens, read_history
-from nanopt.train.metrics import CHART_SOFTWARE, loss_curves, read_metrics, save_chart
+from nanopt.train.observe.metrics import CHART_SOFTWARE, loss_curves, read_metrics, save_chart
 
 CHART_NAME = "compare.png"
 

@@ -10,9 +10,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from nanopt.model.flops import count_params
-from nanopt.train.metrics import read_metrics
-from nanopt.train.phases import newest_per_session, run_time
-from nanopt.train.prediction import compared
+from nanopt.train.observe.metrics import read_metrics
+from nanopt.train.observe.phases import newest_per_session, run_time
+from nanopt.train.observe.prediction import compared
 
 if TYPE_CHECKING:
     from nanopt.evaluate.trained import TrainedModel

@@ -8,7 +8,7 @@ decide its numbers: --data, --tokens, the samples' settings, --tasks, --harness)
 Readers: the watcher (a checkpoint the history holds a result for, with the same files and options, is not scored
 again: a restarted watcher goes on where it stopped), the reuse of results when several runs are compared
 (reuse.previous_result), the comparison chart and the run's own loss.png (each run's test loss against tokens
-trained; read by nanopt.train.eval_history, a layer below, for the latter). The file is
+trained; read by nanopt.train.observe.eval_history, a layer below, for the latter). The file is
 appended whole or not at all, never through a link (nanopt.files.append_whole); a reader skips any line that is
 not such a result (torn by a kill, or from elsewhere), as metrics.jsonl's readers do.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from nanopt.files import append_whole
 from nanopt.rundir import RunDir
-from nanopt.train.eval_history import loss_by_tokens, read_history
+from nanopt.train.observe.eval_history import loss_by_tokens, read_history
 
 __all__ = ["append_result", "checkpoint_id", "loss_by_tokens", "options_key", "read_history", "scored",
            "with_settings"]

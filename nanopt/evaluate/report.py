@@ -4,7 +4,7 @@ The test split is never read by training (train split) or its in-loop evaluation
 number to compare runs by. It is measured on a fixed slice: the split's first `tokens` targets (every token but
 the first with `all`, or when the split is smaller), cut into the loader's seq_len windows, the last one partial, so
 every evaluation of a checkpoint scores the same tokens on any number of ranks and any micro-batch size (see
-nanopt.data.loader.eval_batches). The result says how many tokens were scored, of how many in the split.
+nanopt.data.loaders.loader.eval_batches). The result says how many tokens were scored, of how many in the split.
 
 Bits per byte = loss (nats per token) / ln 2 / (UTF-8 bytes per token of the split). It does not depend on the
 tokenizer, so it compares runs whose tokenizers differ; loss and perplexity only compare runs sharing one.
@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from nanopt.config import MAX_MODEL_DIMENSION
-from nanopt.data.loader import EVAL_SLICE_VERSION
-from nanopt.data.mixture import run_eval_batches
+from nanopt.data.loaders.loader import EVAL_SLICE_VERSION
+from nanopt.data.mixtures.mixture import run_eval_batches
 from nanopt.errors import CheckpointError, ConfigError, WritePathError
 from nanopt.evaluate.compare import training_record
-from nanopt.evaluate.health import run_health
 from nanopt.evaluate.history import append_result
 from nanopt.evaluate.reuse import NotReusable, measured, previous_result
 from nanopt.evaluate.samples import SampleSettings, check_prompts_fit, generate_samples
@@ -51,10 +50,11 @@ from nanopt.runtime import (
     shutdown,
     with_tf32,
 )
-from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint
-from nanopt.train.resume import data_fingerprint
+from nanopt.train.checkpoint.resume import data_fingerprint
+from nanopt.train.health.replay import run_health
 from nanopt.train.validation import LossResult, evaluate_by_source
+from nanopt.untrusted_text import shell_word
 
 SPLIT = "test"
 DEFAULT_EVAL_TOKENS = 1 << 20  # 1,048,576: enough for a loss stable to ~0.01 nats, seconds on one GPU

@@ -19,7 +19,7 @@ from nanopt.evaluate.history import read_history, with_settings
 from nanopt.parsing import read_json, show_value
 from nanopt.rundir import EVAL_FILE
 from nanopt.train.checkpoint import Checkpoint
-from nanopt.train.meta_fields import is_int, is_number
+from nanopt.train.checkpoint.meta_fields import is_int, is_number
 
 
 class NotReusable(ValueError):

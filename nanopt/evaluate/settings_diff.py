@@ -16,7 +16,7 @@ from typing import Any
 
 from nanopt.config.no_data import is_placeholder
 from nanopt.parsing import plain_path
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 NOT_COMPARED = frozenset({
     # What is logged, reported or kept, and where: none of it touches the weights or the time a step takes.

@@ -20,14 +20,14 @@ import torch
 from nanopt.config import RunConfig, train_config_from_snapshot
 from nanopt.config.no_data import is_placeholder
 from nanopt.data.dataset import TokenDataset, check_compatible
-from nanopt.data.mixture import open_run_data
+from nanopt.data.mixtures.mixture import open_run_data
 from nanopt.data.output import is_dataset
-from nanopt.data.tokenizer import read_tokenizer_file
+from nanopt.data.tokenizers.tokenizer import read_tokenizer_file
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.model.transformer import Transformer
 from nanopt.parsing import path_kind, plain_path
-from nanopt.shown import shell_word
 from nanopt.train.checkpoint import Checkpoint, check_fits, latest, load_weights, resolve
+from nanopt.untrusted_text import shell_word
 
 DATASET_HINT = "pass a dataset directory made by `nanopt tokenize` (it holds meta.json, tokenizer.json and the shards)"
 

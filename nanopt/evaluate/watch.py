@@ -32,7 +32,7 @@ from nanopt.files import check_run_dir
 from nanopt.runtime import init_runtime, runtime_on, shutdown
 from nanopt.train.checkpoint import Checkpoint, checkpoints_dir, complete_checkpoints, read_meta, read_pointer, step_of
 from nanopt.train.checkpoint.hold import Hold, remove_stale_holds, still_there
-from nanopt.train.metrics import iter_metrics
+from nanopt.train.observe.metrics import iter_metrics
 
 DEFAULT_POLL_S = 30.0
 MAX_POLL_S = 86400.0

@@ -209,7 +209,7 @@ def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
 def _tokenizer_files(path: Path, cfg: ModelConfig, eos_id: int | None) -> tuple[dict[str, Any], int, int]:
     """The tokenizer files to write, the EOS id (given, or the tokenizer's end-of-text token) and the tokenizer's
     vocabulary size, which the export takes when the model's vocab was padded past it."""
-    from nanopt.data.tokenizer import read_tokenizer_file
+    from nanopt.data.tokenizers.tokenizer import read_tokenizer_file
 
     if not path.is_file():
         raise DataError(f"{path}: tokenizer file not found", "pass the tokenizer.json of the run's dataset")
@@ -236,7 +236,7 @@ def _end_of_text_token(tokenizer: Any, eos_id: int | None, path: Path) -> str:
         if token is None:
             raise DataError(f"{path}: EOS id {eos_id} is not in the tokenizer", "pass the dataset's EOS id")
         return token
-    from nanopt.data.tokenizer import find_eos
+    from nanopt.data.tokenizers.tokenizer import find_eos
 
     return find_eos(tokenizer, str(path))[0]  # the rule `nanopt tokenize` follows
 

@@ -101,7 +101,7 @@ def _staging(run_dir: Path) -> Path:
 
 def _tokenizer(src: Source, cfg: ModelConfig) -> Any:
     """The source's tokenizer.json and its end-of-text token, by the rule `nanopt tokenize` follows."""
-    from nanopt.data.tokenizer import load_tokenizer
+    from nanopt.data.tokenizers.tokenizer import load_tokenizer
 
     if not src.tokenizer_json.is_file():
         raise ConfigError(f"{src.directory}: has no tokenizer.json", "nanopt trains on token ids of a Hugging Face "

@@ -15,7 +15,7 @@ from typing import Any
 
 from nanopt.errors import CheckpointError, ConfigError, DataError
 from nanopt.parsing import read_json, show_value
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 # What snapshot_download fetches: enough to import, and nothing that could be a pickle.
 ALLOW_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json", "*.safetensors",

@@ -2,8 +2,8 @@
 tensors differs from them.
 
 A checkpoint's config snapshot and its stored tensors may disagree (a damaged or crafted file): eval, export and
-train compare names, shapes and dtypes here (nanopt.train.contents reads the stored side from file headers) before
-they allocate a model, so a snapshot cannot ask for memory the files do not back.
+train compare names, shapes and dtypes here (nanopt.train.checkpoint.contents reads the stored side from file headers)
+before they allocate a model, so a snapshot cannot ask for memory the files do not back.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class MemoryEstimate:
     the loss's chunk transients, and the gradients only when an earlier micro-batch of the step left them), the
     backward's (every gradient, and under activation checkpointing one block rebuilt with the inputs kept), and a
     log step's optimizer update with run health on (every gradient, and the copy of the weights the health probe
-    takes before the update: nanopt.train.health_probe)."""
+    takes before the update: nanopt.train.health.probe)."""
 
     weights: int
     gradients: int
@@ -295,7 +295,7 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     step copies the weights around its update (`health_snapshot`). `stacked`: the model's stacked projections
     (Transformer.stack_projections), which change the eager casts and the weight copies.
     """
-    parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel)
+    parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel.wrap)
     act_bytes = 4 if precision == "fp32" else 2
     math_attention = cuda and attention_kernel(cfg, precision) == "math"
     extra = math_attention_bytes_per_token_per_layer(cfg, act_bytes, seq_len) if math_attention else 0
@@ -353,8 +353,8 @@ def block_activation_bytes_per_token(cfg: ModelConfig, act_bytes: int, compiled:
 
 
 def selective_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int) -> int:
-    """What selective checkpointing keeps of a block (nanopt.train.recompute): every projection's output (q, k, v,
-    o; the MLP's), the attention kernel's output and its fp32 log-sum-exp per head."""
+    """What selective checkpointing keeps of a block (nanopt.train.parallel.recompute): every projection's output (q, k,
+    v, o; the MLP's), the attention kernel's output and its fp32 log-sum-exp per head."""
     h, kv, inner = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     mlp = 2 * inner + h if cfg.architecture == "llama" else inner + h
     return act_bytes * (2 * h + 2 * kv + mlp) + act_bytes * h + 4 * cfg.num_attention_heads
@@ -366,7 +366,7 @@ def block_params(cfg: ModelConfig) -> int:
 
 
 # Which of weights, gradients and optimizer state each train.json `parallelism` shards across the ranks
-# (nanopt.train.parallel); "fsdp_offload" keeps its shards in host memory.
+# (nanopt.train.parallel.wrap); "fsdp_offload" keeps its shards in host memory.
 SHARDED_STATES = {"ddp": (False, False, False), "zero1": (False, False, True), "zero2": (True, True, True),
                   "fsdp": (True, True, True), "fsdp_offload": (True, True, True)}
 OFFLOADED = ("fsdp_offload",)
@@ -374,7 +374,7 @@ OFFLOADED = ("fsdp_offload",)
 
 def hidden_matrix_params(cfg: ModelConfig) -> int:
     """Parameters of the 2-D projection weights inside the blocks (no biases): what Muon updates
-    (nanopt.train.optim.is_hidden_matrix); embeddings, head, norms and biases stay with AdamW."""
+    (nanopt.train.optim.optimizer.is_hidden_matrix); embeddings, head, norms and biases stay with AdamW."""
     h, kv, inner = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     mlp_matrices = 3 if cfg.architecture == "llama" else 2  # SwiGLU: gate, up, down; GELU MLP: up, down
     return cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + mlp_matrices * h * inner)

@@ -287,7 +287,7 @@ class Transformer(nn.Module):
         # to exercise chunking on tiny shapes.
         self.loss_chunk_rows: int | None = None
         # The output head's training GEMMs in FP8 (nanopt.model.fp8): None (the autocast dtype), "scaled_mm" (set by
-        # nanopt.train.fp8 on a GPU with FP8), or "emulate" (tests). No parameter or state-dict key changes.
+        # nanopt.train.precision.fp8 on a GPU with FP8), or "emulate" (tests). No parameter or state-dict key changes.
         self.head_fp8: HeadMode | None = None
         # The residual stream's dtype between blocks: None keeps what autocast gives (fp32, the embeddings' dtype,
         # which each block's bf16 output is added into); torch.bfloat16 halves the stream's memory and traffic

@@ -1,7 +1,8 @@
 """What a run is predicted to take before its first step: tokens/s, step time, peak memory per GPU, the time of
 each phase, the whole run's time and its cost. `nanopt plan` predicts the run it writes; `nanopt train` writes the
 prediction of a run that starts from step 0 into RUN/prediction.json, for the device it trains on, so that the end
-of each session and `nanopt eval RUN` can put what was measured beside it (nanopt.train.prediction reads it back).
+of each session and `nanopt eval RUN` can put what was measured beside it (nanopt.train.observe.prediction reads it
+back).
 
 Throughput is `nanopt estimate`'s: a preflight.json measured with the run's settings on this device, else an
 assumed MFU of the device's dense peak, slowed by the run's rung of the memory ladder (activation checkpointing,
@@ -26,7 +27,7 @@ from nanopt.plan.estimate import EstimateOptions, estimate
 from nanopt.plan.estimate.ladder import Rung
 from nanopt.plan.preflight_record import read_preflight
 from nanopt.rundir import RunDir
-from nanopt.train.phases import occasions
+from nanopt.train.observe.phases import occasions
 
 FORMAT_VERSION = 1
 # Setup: imports, the dataset's checks, building the model (about 6 s on a 2-core CPU for runs/demo); on a GPU

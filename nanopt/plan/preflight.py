@@ -8,8 +8,8 @@ directory (same filesystem), removed afterwards whatever happens. Rank 0 writes 
 With `--find-batch`, the micro-batch comes from `nanopt find-batch`'s search, which also leaves its
 find_batch.json, as that command does.
 
-Time is measured as nanopt.train.phases charges it: setup from the process start to the first step (and the first
-step itself when compiled), the mean measured step, one in-loop evaluation and one
+Time is measured as nanopt.train.observe.phases charges it: setup from the process start to the first step (and the
+first step itself when compiled), the mean measured step, one in-loop evaluation and one
 checkpoint save; `phases.projected_seconds` turns them into the run's time per phase.
 
 The report and its checks are built by nanopt.plan.preflight_report; preflight.json's format is described, and the
@@ -80,8 +80,8 @@ def preflight(run: RunConfig, opts: PreflightOptions, on_progress: Progress | No
         report = build_report(run, rt, opts.price_per_hour, measured)
         if rt.cpu_threads is not None:  # on the CPU the threads decide the step time measured: how many, and why
             report["device"]["cpu_threads"] = rt.cpu_threads.record()
-        if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixture_plan)
-            from nanopt.data.mixture_plan import plan_records
+        if run.mixture is not None:  # what each source of a mixture gives the run (nanopt.data.mixtures.mixture_plan)
+            from nanopt.data.mixtures.mixture_plan import plan_records
 
             report["sources"], report["data_epochs_warning"] = plan_records(run), run.train.data_epochs_warning
         if rt.is_main:
@@ -125,7 +125,7 @@ def _micro_batch(run: RunConfig, opts: PreflightOptions,
 
 def _measure(run: RunConfig, rt: Any, opts: PreflightOptions, billed_from: float, micro_batch: dict[str, Any],
              progress: Progress) -> Measured:
-    from nanopt.data.mixture import open_run_data
+    from nanopt.data.mixtures.mixture import open_run_data
     from nanopt.plan.profile import TimedLoader
     from nanopt.train.loop import validation_batches
     from nanopt.train.session import build_session
@@ -160,7 +160,7 @@ def _synchronize(rt: Any) -> None:
 def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progress: Progress) -> None:
     """`warmup` then `steps` optimizer steps, each timed; the memory peak after the first quarter of the measured
     steps and at the end. A run that diverges (too many non-finite steps in a row) stops there and says so."""
-    from nanopt.train.schedule import scheduled_lr
+    from nanopt.train.optim.schedule import scheduled_lr
     from nanopt.train.step import TrainingDiverged, step
 
     memory, loader = session.memory, session.loader
@@ -236,10 +236,10 @@ def _time_evaluation(session: Any) -> float:
 
 
 def _time_checkpoint(session: Any) -> float:
-    """How long one checkpoint blocks the step, saved exactly as training saves it (nanopt.train.save: the state
-    copied to host memory, then written in the background), into a scratch directory beside the run directory (the
+    """How long one checkpoint blocks the step, saved exactly as training saves it (nanopt.train.checkpoint.save: the
+    state copied to host memory, then written in the background), into a scratch directory beside the run directory (the
     disk the run writes to) instead of the run's own, waited for, and removed afterwards whatever happens."""
-    from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
+    from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save, wait_quietly
 
     own = session.run
     scratch = _scratch_directory(session)

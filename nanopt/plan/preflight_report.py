@@ -121,7 +121,7 @@ def _device_kind(rt: Any) -> str | None:
 
 
 def _compiled(run: RunConfig, rt: Any) -> bool:
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.parallel.wrap import resolve_compile
 
     return resolve_compile(run.train.compile, rt.device)
 
@@ -163,7 +163,7 @@ def _finite_mean(values: list[float]) -> float | None:
 def _projection(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measured, step_s: float) -> dict[str, Any]:
     """The whole run's time per phase at the measured durations, and its cost at the run's price."""
     from nanopt.devices import device_price
-    from nanopt.train.phases import occasions, projected_seconds
+    from nanopt.train.observe.phases import occasions, projected_seconds
 
     seconds = projected_seconds(run, 0, step_s, m.eval_s, m.checkpoint_s, m.setup_s)
     evals = occasions(run.train.eval_interval, 0, run.total_steps) if run.train.eval_interval else 0

@@ -132,7 +132,7 @@ def _profile(run: RunConfig, rt: Any, opts: ProfileOptions, on_step: Callable[[i
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.parallel.wrap import resolve_compile
     from nanopt.train.session import build_session
     from nanopt.train.shape_schedule import skip_the_ramp, skip_to_the_longest_stage
     from nanopt.train.step import step

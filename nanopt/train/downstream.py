@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from nanopt.runtime import Runtime
-from nanopt.train.metrics import iter_metrics
-from nanopt.train.phases import occasions
-from nanopt.train.task_curves import TASK_PREFIX
+from nanopt.train.observe.metrics import iter_metrics
+from nanopt.train.observe.phases import occasions
+from nanopt.train.observe.task_curves import TASK_PREFIX
 
 
 class DownstreamHook(Protocol):

@@ -17,9 +17,9 @@ from nanopt.errors import NanoptError, WritePathError
 from nanopt.files import check_run_dir
 from nanopt.model.flops import count_params, mfu, mfu_note
 from nanopt.runtime import broadcast_object, init_runtime, quiesce, shutdown
-from nanopt.shown import shell_word
 from nanopt.train import checkpoint as ckpt
-from nanopt.train import health_watch, pace, phases
+from nanopt.train.checkpoint.resume import maybe_resume
+from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.downstream import (
     downstream_advice,
     run_downstream,
@@ -27,10 +27,12 @@ from nanopt.train.downstream import (
     tasks_seconds_left,
     typical_eval_seconds,
 )
-from nanopt.train.events import TrainObserver
-from nanopt.train.failures import reporting_failures
-from nanopt.train.lock import RunLock, RunLocked
-from nanopt.train.metrics import iter_metrics, write_loss_chart
+from nanopt.train.guard.failures import reporting_failures
+from nanopt.train.guard.lock import RunLock, RunLocked
+from nanopt.train.guard.preemption import preemption_handler
+from nanopt.train.guard.recovery import recover_if_needed, spike_pending, start_watching
+from nanopt.train.guard.stall import StallWatch, start_stall_watch
+from nanopt.train.health import watch as health_watch
 from nanopt.train.mixture_report import (
     PhaseWatch,
     announce_sources,
@@ -39,15 +41,14 @@ from nanopt.train.mixture_report import (
     source_summary,
     warn_if_data_repeats,
 )
-from nanopt.train.preemption import preemption_handler
+from nanopt.train.observe import pace, phases
+from nanopt.train.observe.events import TrainObserver
+from nanopt.train.observe.metrics import iter_metrics, write_loss_chart
 from nanopt.train.recompiles import CompileWatch
-from nanopt.train.recovery import recover_if_needed, spike_pending, start_watching
-from nanopt.train.resume import maybe_resume
-from nanopt.train.save import save_checkpoint, wait_for_save, wait_quietly
 from nanopt.train.session import Session, TrainOptions, build_session
 from nanopt.train.shape_schedule import stage_begins, stages_note, step_times, warmup_note
-from nanopt.train.stall import StallWatch, start_stall_watch
 from nanopt.train.step import step
+from nanopt.untrusted_text import shell_word
 
 # Freeing a DDP / FSDP session destroys its gloo process group from a Python destructor that holds the GIL, and
 # that destructor can join a gloo thread which needs the GIL: the process then hangs after a finished run. Under
@@ -228,7 +229,7 @@ def _freeze_heap() -> None:
 
 
 def _record_phases(s: Session, best_effort: bool = False) -> None:
-    """The session's time per phase so far, as a metrics.jsonl `phases` record (see nanopt.train.phases). When
+    """The session's time per phase so far, as a metrics.jsonl `phases` record (see nanopt.train.observe.phases). When
     the session is ending on an error, a failure to write it (the full disk that ended it) must not hide that."""
     try:
         s.metrics.write("phases", step=s.state.step, world_size=s.rt.world_size, price_per_hour=s.price_per_hour,
@@ -300,7 +301,7 @@ def _time_and_money(s: Session, step_s: float) -> dict[str, Any]:
 
 def validation_batches(s: Session) -> Any:
     """The slice of the validation split in-loop evaluation reads (also what preflight times)."""
-    from nanopt.data.mixture import run_eval_batches
+    from nanopt.data.mixtures.mixture import run_eval_batches
 
     return run_eval_batches(s.dataset, "val", s.run.seq_len, s.run.train.micro_batch_size, s.rt.rank,
                             s.rt.world_size, s.run.train.eval_tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from nanopt.train.metrics import iter_metrics
+from nanopt.train.observe.metrics import iter_metrics
 from nanopt.train.session import Session
 
 

@@ -1,7 +1,7 @@
 """Recompilations of the compiled model during training steps, said as they happen: a line and a `recompile` event.
 
 torch.compile compiles the model's graph in a session's first step, and again at each new input shape: the first
-step of a sequence-length stage is expected to (its graphs are static, nanopt.train.parallel), and is said as
+step of a sequence-length stage is expected to (its graphs are static, nanopt.train.parallel.wrap), and is said as
 expected. Any other compilation inside a training step is a surprise: a guard Dynamo placed on the inputs or on
 global state failed (a dtype, a shape, a flag), it costs seconds to minutes each time, and past Dynamo's
 recompile_limit the model runs uncompiled. Evaluation compiles graphs of its own (no gradients, other shapes)

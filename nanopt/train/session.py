@@ -16,20 +16,20 @@ from nanopt.model.flops import count_params, fp8_peak_label
 from nanopt.model.memory import estimate_memory
 from nanopt.rundir import RunDir
 from nanopt.runtime import Runtime, seed_everything
-from nanopt.train.events import Silent, TrainObserver
-from nanopt.train.fp8 import check_fp8
-from nanopt.train.graphed_step import check_cuda_graphs
-from nanopt.train.metrics import MetricsLog, SpikeMonitor
-from nanopt.train.optim import build_optimizer
-from nanopt.train.pace import SlowdownWatch
-from nanopt.train.parallel import Prepared, prepare, resolve_compile, shards_optimizer_only
-from nanopt.train.phases import EvalShareWatch, PhaseClock
-from nanopt.train.residual import check_bf16_residual
-from nanopt.train.scaling import new_scaler
+from nanopt.train.observe.events import Silent, TrainObserver
+from nanopt.train.observe.metrics import MetricsLog, SpikeMonitor
+from nanopt.train.observe.pace import SlowdownWatch
+from nanopt.train.observe.phases import EvalShareWatch, PhaseClock
+from nanopt.train.observe.sinks import build_sinks, check_sink_packages
+from nanopt.train.optim.optimizer import build_optimizer
+from nanopt.train.parallel.graphed_step import check_cuda_graphs
+from nanopt.train.parallel.world_fit import micro_batch_for_world
+from nanopt.train.parallel.wrap import Prepared, prepare, resolve_compile, shards_optimizer_only
+from nanopt.train.precision.fp8 import check_fp8
+from nanopt.train.precision.residual import check_bf16_residual
+from nanopt.train.precision.scaling import new_scaler
 from nanopt.train.shape_schedule import run_flops_per_token
-from nanopt.train.sinks import build_sinks, check_sink_packages
 from nanopt.train.state import Counters, TrainState
-from nanopt.train.world_fit import micro_batch_for_world
 
 
 @dataclass(frozen=True)
@@ -66,16 +66,18 @@ class Session:
     clock: PhaseClock = field(default_factory=PhaseClock)
     earlier: list[dict[str, Any]] = field(default_factory=list)  # earlier sessions' phase records (rank 0)
     eval_watch: EvalShareWatch = field(default_factory=EvalShareWatch)
-    spike_watch: Any = None  # nanopt.train.recovery.SpikeWatch, set by the training loop when recovery is on
-    pending_save: Any = None  # nanopt.train.save.PendingSave: the checkpoint being written in the background
+    spike_watch: Any = None  # nanopt.train.guard.recovery.SpikeWatch, set by the training loop when recovery is on
+    pending_save: Any = None  # nanopt.train.checkpoint.save.PendingSave: the checkpoint being written in the background
     checkpoint_group: Any = None  # the gloo group checkpoints use beside training (made at the first save or load)
-    checkpoint_stager: Any = None  # keeps the host copy of the state between saves (nanopt.train.save._stager)
+    # keeps the host copy of the state between saves (nanopt.train.checkpoint.save._stager)
+    checkpoint_stager: Any = None
     downstream_last: tuple[int, float] | None = None  # (step, seconds) of the latest downstream scoring
     source_val_losses: dict[str, float] = field(default_factory=dict)  # a mixture's latest loss per source
-    health: Any = None  # nanopt.train.health.HealthMonitor, set by the training loop when train.json `health` is on
-    health_probe: Any = None  # nanopt.train.health_probe.HealthProbe, likewise
+    # nanopt.train.health.verdicts.HealthMonitor, set by the training loop when train.json `health` is on
+    health: Any = None
+    health_probe: Any = None  # nanopt.train.health.probe.HealthProbe, likewise
     health_signals: dict[str, Any] = field(default_factory=dict)  # the probe's last log step's fields
-    # The pace of the log windows, to say once when other work has taken the machine (nanopt.train.pace).
+    # The pace of the log windows, to say once when other work has taken the machine (nanopt.train.observe.pace).
     slowdown: SlowdownWatch = field(default_factory=SlowdownWatch)
 
     @property
@@ -105,8 +107,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     loop warns that the data repeats.
     """
     from nanopt.data.dataset import VERIFY_AT_OPEN_BYTES, check_document_eos
-    from nanopt.data.loader import check_compatible
-    from nanopt.data.mixture import open_run_data
+    from nanopt.data.loaders.loader import check_compatible
+    from nanopt.data.mixtures.mixture import open_run_data
     from nanopt.model.transformer import Transformer
 
     opts = opts or TrainOptions(resume="none")
@@ -155,9 +157,9 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
 def _train_loader(run: RunConfig, dataset: Any, accum: int, rt: Runtime) -> Any:
     """The loader of the run's training data: a mixture's, one per sequence-length stage, or one TrainLoader
     (with batch warmup's batches). Stages refuse a mixture and a ramp, and a mixture refuses a ramp."""
-    from nanopt.data.loader import TrainLoader
-    from nanopt.data.mixture import MixtureData, MixtureLoader
-    from nanopt.data.staged_loader import StagedLoader
+    from nanopt.data.loaders.loader import TrainLoader
+    from nanopt.data.loaders.staged_loader import StagedLoader
+    from nanopt.data.mixtures.mixture import MixtureData, MixtureLoader
 
     args = ("train", run.seq_len, run.train.micro_batch_size, accum, rt.rank, rt.world_size, run.train.seed)
     if isinstance(dataset, MixtureData):

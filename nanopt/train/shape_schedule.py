@@ -23,7 +23,7 @@ def steps_in(cfg: TrainConfig, tokens: int) -> int:
 def step_times(cfg: TrainConfig, seconds: float, tokens_before: int, tokens_after: int) -> tuple[float, float]:
     """(the mean step, and a full-size step at that speed) over a span of training from `tokens_before` to
     `tokens_after` tokens: the same without batch warmup; during it the steps are shorter, and the time left (a
-    count of full-size steps, nanopt.train.phases.projected_seconds) needs the second."""
+    count of full-size steps, nanopt.train.observe.phases.projected_seconds) needs the second."""
     steps = max(1, steps_in(cfg, tokens_after) - steps_in(cfg, tokens_before))
     return seconds / steps, seconds * cfg.global_batch_tokens / max(1, tokens_after - tokens_before)
 
@@ -51,7 +51,7 @@ def skip_the_ramp(session: Any) -> None:
 
 def stages_note(run: RunConfig, compiled: bool) -> str:
     """', then seq_len L from step S (micro-batch M)' per stage after the base, or ''. A compiled model compiles
-    each new shape once, at the stage's first step (its graphs are static: nanopt.train.parallel)."""
+    each new shape once, at the stage's first step (its graphs are static: nanopt.train.parallel.wrap)."""
     again = "; torch.compile compiles the new shape there, once" if compiled else ""
     return "".join(f", then seq_len {stage.seq_len:,} from step {stage.first_step + 1:,} (micro-batch "
                    f"{stage.micro_batch_size}{again})" for stage in run.seq_stages[1:])

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from nanopt.rng import rng_state, set_rng_state
-from nanopt.train.scaling import load_scaler_state, scaler_state
+from nanopt.train.precision.scaling import load_scaler_state, scaler_state
 
 
 @dataclass
@@ -28,7 +28,8 @@ class Counters:
     best_val_loss: float | None = None
     skipped_steps: int = 0
     last_loss: float | None = None
-    recoveries: int = 0  # automatic rollbacks so far (nanopt.train.recovery), so max_recoveries holds across resumes
+    # automatic rollbacks so far (nanopt.train.guard.recovery), so max_recoveries holds across resumes
+    recoveries: int = 0
     lr_ramp_start: int = 0  # the step the latest rollback went back to: the learning-rate ramp starts there ...
     lr_ramp_factor: float = 1.0  # ... from this multiplier of the schedule's rate (1: no ramp)
     # this session only
@@ -54,7 +55,7 @@ class TrainState:
     def __init__(self, loader: Any, scaler: Any = None) -> None:
         self.counters = Counters()
         self.loader = loader
-        self.scaler = scaler  # fp16's torch.amp.GradScaler (nanopt.train.scaling), else None
+        self.scaler = scaler  # fp16's torch.amp.GradScaler (nanopt.train.precision.scaling), else None
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's part: gathered from every rank into meta.json's `ranks` list."""

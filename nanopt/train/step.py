@@ -12,11 +12,11 @@ import torch
 
 from nanopt.errors import NanoptError
 from nanopt.runtime import all_reduce_sum_
-from nanopt.shown import shell_word
-from nanopt.train.optim import optimizers_of, set_lr
-from nanopt.train.scaling import scaled, unscale, update
-from nanopt.train.schedule import recovery_lr_multiplier, scheduled_lr
+from nanopt.train.optim.optimizer import optimizers_of, set_lr
+from nanopt.train.optim.schedule import recovery_lr_multiplier, scheduled_lr
+from nanopt.train.precision.scaling import scaled, unscale, update
 from nanopt.train.session import Session
+from nanopt.untrusted_text import shell_word
 
 
 class TrainingDiverged(NanoptError):
@@ -25,13 +25,13 @@ class TrainingDiverged(NanoptError):
 
 def step(s: Session) -> tuple[float, float, bool]:
     """One optimizer step over `accum` micro-batches; returns (mean loss over ranks, grad norm, stop?). A step whose
-    record will be logged also measures the health signals into `s.health_signals` (nanopt.train.health_probe)."""
+    record will be logged also measures the health signals into `s.health_signals` (nanopt.train.health.probe)."""
     st, cfg = s.state, s.run.train
     probe = s.health_probe if s.health_probe is not None and logged(s, st.step + 1) else None
     ramp = recovery_lr_multiplier(st.step, st.lr_ramp_start, st.lr_ramp_factor, cfg.recovery_lr_steps)
     set_lr(s.optimizer, scheduled_lr(st.step, s.total_steps, cfg) * ramp)
     loss_sum = torch.zeros((), device=s.rt.device)
-    scaler = s.train_state.scaler  # fp16 only (nanopt.train.scaling)
+    scaler = s.train_state.scaler  # fp16 only (nanopt.train.precision.scaling)
     # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data); its
     # tokens, whatever its sequence-length stage
     accum, tokens = s.loader.accum_at(s.loader.step), s.loader.tokens_in(s.loader.step)
@@ -73,7 +73,7 @@ def step(s: Session) -> tuple[float, float, bool]:
 def _forward_backward(s: Session, inputs: torch.Tensor, targets: torch.Tensor, accum: int,
                       scaler: torch.amp.GradScaler | None) -> torch.Tensor:
     """One micro-batch's loss, its gradients added into `.grad`: replayed from a CUDA graph when train.json's
-    cuda_graphs is on (nanopt.train.graphed_step), else run."""
+    cuda_graphs is on (nanopt.train.parallel.graphed_step), else run."""
     if s.prepared.graphed is not None:
         return s.prepared.graphed.run(inputs, targets)
     with s.rt.autocast():
@@ -117,7 +117,7 @@ def _skip_nonfinite(s: Session, loss: float, norm: float) -> None:
     s.metrics.write("event", step=st.step + 1, event="nonfinite_skipped", loss=loss, grad_norm=norm)
     s.observer.note(f"step {st.step + 1}: non-finite loss or gradient (loss {loss}, grad norm {norm}); "
                     f"optimizer step skipped ({st.consecutive_nonfinite} in a row)")
-    # With recovery on, the loop rolls back instead (nanopt.train.recovery), and raises this when it cannot.
+    # With recovery on, the loop rolls back instead (nanopt.train.guard.recovery), and raises this when it cannot.
     if st.consecutive_nonfinite >= s.run.train.max_nonfinite_steps and not s.run.train.recovery:
         raise diverged(s, f"{st.consecutive_nonfinite} non-finite steps in a row at step {st.step + 1}")
 

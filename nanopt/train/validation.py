@@ -1,6 +1,6 @@
 """Held-out loss over a split, computed on every rank and all-reduced, so ranks always agree.
 
-The batches come from nanopt.data.loader.eval_batches: the same evaluated tokens on any number of ranks and any
+The batches come from nanopt.data.loaders.loader.eval_batches: the same evaluated tokens on any number of ranks and any
 micro-batch size, dealt out so that every rank runs the same number of forward passes (a sharded model's forward
 pass is a collective). Targets equal to IGNORE_INDEX (padding) are run but not scored, and the only collective
 here is one all-reduce after the last batch, so no rank can reach a collective that another skips.
@@ -53,8 +53,8 @@ def evaluate_loss(model: torch.nn.Module, rt: Runtime,
 
 def evaluate_by_source(model: torch.nn.Module, rt: Runtime, batches: Any,
                        track: Callable[[Any], Iterable[Any]] = iter) -> tuple[LossResult, dict[str, Any]]:
-    """evaluate_loss, and for a mixture's batches (nanopt.data.mixture.MixtureEvalBatches) each source's loss too:
-    (the loss over all, {"sources": {name: {"val_loss", "val_tokens"}}}), the first the token-weighted mean of the
+    """evaluate_loss, and for a mixture's batches (nanopt.data.mixtures.mixture.MixtureEvalBatches) each source's loss
+    too: (the loss over all, {"sources": {name: {"val_loss", "val_tokens"}}}), the first the token-weighted mean of the
     sources' losses. One dataset: (its loss, {}). `track` wraps each source's batches (a progress bar)."""
     parts = getattr(batches, "parts", None)
     if parts is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from nanopt.errors import DataError, NanoptError
 from nanopt.parsing import show_value
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 DELIMITER = " "  # the harness's default target_delimiter, between context and continuation
 # Every choice repeats its record's context, and the scorer tokenizes each pair whole (about 50 bytes of memory a

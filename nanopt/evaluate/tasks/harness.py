@@ -25,7 +25,7 @@ from typing import Any
 from nanopt.errors import ConfigError, DataError
 from nanopt.evaluate.tasks.sources import check_jsonl
 from nanopt.files import write_file
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 INSTALL = 'pip install "nanopt[harness]"'
 # Each task's file in lm_eval/tasks/ (0.4.x), included by a local task that reads --task-data's TASK.jsonl.

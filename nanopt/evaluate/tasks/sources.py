@@ -26,7 +26,7 @@ from nanopt.errors import DataError
 from nanopt.evaluate.tasks.catalog import Task
 from nanopt.files import file_kind
 from nanopt.parsing import open_regular, parse_json_text, path_kind
-from nanopt.shown import printable
+from nanopt.untrusted_text import printable
 
 MAX_TASK_FILE_BYTES = 1 << 30  # the largest task here (HellaSwag validation) is about 12 MB as jsonl
 # The longest record of any task here is a few KiB (a LAMBADA passage; a HellaSwag context with its four endings):

@@ -28,7 +28,7 @@ from nanopt.plan.estimate.target import (
 )
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "fsdp_offload")
-# train.json's `parallelism` values as tables name them (nanopt.train.parallel).
+# train.json's `parallelism` values as tables name them (nanopt.train.parallel.wrap).
 SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP2",
                   "fsdp_offload": "FSDP2 + CPU offload"}
 CHECKPOINTING = (False, "selective", 2, True)
@@ -45,7 +45,7 @@ COMMUNICATION = {"ddp": 0.0, "zero1": 0.03, "zero2": 0.02, "fsdp": 0.06, "fsdp_o
 # torchao's 8-bit AdamW step quantizes and dequantizes both moments: memory-bound work, assumed at 2% of a step.
 EIGHT_BIT_STEP = 0.02
 # What train.json accepts together (nanopt.config.schema): Muon not with zero1 or fsdp_offload, 8-bit AdamW not with
-# zero1 (under FSDP2 each rank holds its rows' 8-bit moments: nanopt.train.lowbit).
+# zero1 (under FSDP2 each rank holds its rows' 8-bit moments: nanopt.train.optim.lowbit).
 SHARDINGS_FOR = {"adamw": SHARDINGS, "adamw8bit": ("ddp", "zero2", "fsdp", "fsdp_offload"),
                  "muon": ("ddp", "zero2", "fsdp")}
 # CPU offload, not overlapped: each rank's fp32 weight shards cross PCIe to the GPU in forward and again in

@@ -21,8 +21,8 @@ from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
 from nanopt.plan.estimate.target import Target, compiled, has_bf16, run_memory, run_precision, target_for
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
-from nanopt.shown import shell_word
 from nanopt.train.shape_schedule import longest_stage_run, run_flops_per_token
+from nanopt.untrusted_text import shell_word
 
 
 def estimate(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
@@ -114,7 +114,7 @@ def _throughput_source(run: RunConfig | None,
 def _projection_outdated(run: RunConfig, projection: dict[str, Any]) -> str | None:
     """Why preflight's whole-run projection no longer describes the run (the budget or the evaluation or checkpoint
     cadence changed since: they are not speed settings, so its tokens/s still stands), or None."""
-    from nanopt.train.phases import occasions
+    from nanopt.train.observe.phases import occasions
 
     now = {"steps": run.total_steps,
            "evaluations": occasions(run.train.eval_interval, 0, run.total_steps) if run.train.eval_interval else 0,

@@ -66,7 +66,7 @@ def _in_process(run: RunConfig, opts: FindBatchOptions, world: int, isolation: s
                 on_start: Callable[[int], None] | None, on_trial: Callable[[Trial], None] | None) -> dict[str, Any]:
     """The search with every trial in this process (and, under torchrun, in every rank's process)."""
     from nanopt.runtime import init_runtime, shutdown
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.parallel.wrap import resolve_compile
 
     rt = init_runtime(run.train.precision, tf32=run.train.tf32)
     try:
@@ -84,7 +84,7 @@ def _cpu_facts(run: RunConfig) -> dict[str, Any]:
     import torch
 
     from nanopt.runtime import resolve_precision
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.parallel.wrap import resolve_compile
 
     cpu = torch.device("cpu")
     return {"cuda": False, "device_memory_bytes": None, "precision": resolve_precision(run.train.precision, cpu),

@@ -16,7 +16,7 @@ from nanopt.config import RunConfig
 from nanopt.devices import MemoryProbe, device_name
 from nanopt.errors import NanoptError
 from nanopt.plan.find_batch.search import FindBatchOptions, agree, judge, memory_limit, trial_run, usable_bytes
-from nanopt.train.oom import is_out_of_memory
+from nanopt.train.guard.oom import is_out_of_memory
 
 POLL_S = 0.02  # how often the parent samples a CPU trial's resident memory
 PREDICTED_OOM_FACTOR = 1.25  # under torchrun: skip sizes extrapolated to exceed the limit by this factor
@@ -29,8 +29,8 @@ def measure(run: RunConfig, rt: Any, steps: int, probe: MemoryProbe) -> dict[str
     import torch
 
     from nanopt.devices import device_peak_flops
-    from nanopt.train.health_probe import HealthProbe
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.health.probe import HealthProbe
+    from nanopt.train.parallel.wrap import resolve_compile
     from nanopt.train.session import build_session
     from nanopt.train.step import step
 
@@ -137,7 +137,7 @@ def _report_device(run: RunConfig, conn: Any) -> None:
     import torch
 
     from nanopt.runtime import resolve_precision
-    from nanopt.train.parallel import resolve_compile
+    from nanopt.train.parallel.wrap import resolve_compile
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -162,7 +162,7 @@ class ProcessTrials:
         self.ctx = multiprocessing.get_context("forkserver")
         # Imported once in the server, so a trial starts in well under a second (never CUDA: that stays per trial).
         self.ctx.set_forkserver_preload(["__main__", "nanopt.plan.find_batch.trials", "nanopt.train.loop",
-                                         "nanopt.model.transformer", "nanopt.data.loader"])
+                                         "nanopt.model.transformer", "nanopt.data.loaders.loader"])
 
     def device_facts(self) -> dict[str, Any]:
         """{cuda, precision, compiled, device_memory_bytes}, asked in a process forked from the server, so this one
@@ -263,7 +263,7 @@ class InProcessTrials:
 
     def _facts(self) -> dict[str, Any]:
         from nanopt.devices import device_peak_flops
-        from nanopt.train.parallel import resolve_compile
+        from nanopt.train.parallel.wrap import resolve_compile
 
         peak_flops, peak_source = device_peak_flops(self.rt.device, self.rt.precision, self.rt.tf32)
         return {"device": self.rt.device.type, "device_name": device_name(self.rt.device),

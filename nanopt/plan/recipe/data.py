@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanopt.errors import ConfigError
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of 64: tensor-core friendly, as nanopt suggests elsewhere
 

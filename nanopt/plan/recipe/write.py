@@ -16,7 +16,7 @@ from nanopt.model.flops import count_params
 from nanopt.plan.estimate.budget import compute_optimal
 from nanopt.plan.recipe import cadence, rule
 from nanopt.rundir import MODEL_FILE, PLAN_FILE, TRAIN_FILE, staged
-from nanopt.shown import shell_word
+from nanopt.untrusted_text import shell_word
 
 if TYPE_CHECKING:
     from nanopt.plan.recipe.budget import Budget

@@ -4,7 +4,7 @@
       model.safetensors       one process ("full" layout): the model's weights (tied weights once)
       optimizer.safetensors   its AdamW moments and steps (Muon momentum buffers), as "<param fqn>/<state name>"
       .metadata, __R_N.distcp several ranks ("sharded" layout): torch.distributed.checkpoint's index and each rank's
-                              shards of the same tensors, under "model." and "optimizer.state." (nanopt.train.sharded)
+                              shards of the same tensors, under "model." and "optimizer.state." (`sharded`)
       tokenizer.json          the exact tokenizer the run trained with, so eval, export and sampling need no
                               dataset (checkpoints from before it was carried lack it: their dataset has it)
       meta.json               layout, step, tokens, every rank's loader and RNG state, config snapshot, metrics,
@@ -20,7 +20,11 @@ get 0644 and directories 0755, less the umask, so others on a shared machine can
 nothing is written or deleted through a link, and deletion stays inside the run's own checkpoints/ (nanopt.files).
 
 The parts: `meta` (the contract: file names, pointers, meta.json read and checked), `write` (begin, publish,
-pointers), `read` (find, verify, load) and `retention`. The names below are the package's interface.
+pointers), `read` (find, verify, load) and `retention`. The names below are the package's interface. Beside them,
+what the layouts and a session need: `meta_fields` (meta.json's resume fields, range-checked), `contents` (the
+stored tensors against the config snapshot), `sharded` and `shard_index` (DCP's shards and its index read safely),
+`hold` (checkpoints another process is reading), `save` (a session's save, in the background, as a collective)
+and `resume` (a session put back from either layout on any world size).
 """
 
 from nanopt.rundir import step_dir_name

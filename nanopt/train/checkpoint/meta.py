@@ -1,6 +1,6 @@
 """A checkpoint's directory contract: the names of its files, the `latest` / `best` pointers, the layout of
 optimizer.safetensors, and meta.json, read as any file from a stranger is and checked field by field before
-anything is restored from it (nanopt.train.meta_fields, nanopt.train.contents)."""
+anything is restored from it (nanopt.train.checkpoint.meta_fields, nanopt.train.checkpoint.contents)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from nanopt.config import ModelConfig
 from nanopt.errors import CheckpointError, NanoptError
 from nanopt.parsing import read_capped, read_json
 from nanopt.rundir import RunDir
-from nanopt.train import sharded
-from nanopt.train.contents import snapshot_model
-from nanopt.train.meta_fields import Bad, check_resume_fields, check_weights_only_fields
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.contents import snapshot_model
+from nanopt.train.checkpoint.meta_fields import Bad, check_resume_fields, check_weights_only_fields
 
 FORMAT_VERSION = 1
 FULL, SHARDED = "full", "sharded"  # meta.json's `layout` (absent before sharded checkpoints existed: full)
@@ -125,7 +125,7 @@ def bad_meta(meta_path: Path) -> Bad:
 
 def check_meta(meta_path: Path, meta: Any) -> None:
     """CheckpointError unless meta.json has every field nanopt reads, each of the right type and in range
-    (nanopt.train.meta_fields)."""
+    (nanopt.train.checkpoint.meta_fields)."""
     bad = bad_meta(meta_path)
     if not isinstance(meta, dict):
         raise bad(f"holds a JSON {type(meta).__name__}, not an object")

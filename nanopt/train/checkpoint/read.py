@@ -17,8 +17,8 @@ from nanopt.errors import CheckpointError
 from nanopt.model.flops import count_params
 from nanopt.model.memory import states_only
 from nanopt.rundir import STEP_NAME, step_dir_name
-from nanopt.shown import shell_word
-from nanopt.train import sharded
+from nanopt.train.checkpoint import sharded
+from nanopt.train.checkpoint.contents import check_contents
 from nanopt.train.checkpoint.meta import (
     FULL,
     SHARDED,
@@ -31,7 +31,7 @@ from nanopt.train.checkpoint.meta import (
     sha256,
     unflatten_optimizer_state,
 )
-from nanopt.train.contents import check_contents
+from nanopt.untrusted_text import shell_word
 
 
 def step_of(path: Path) -> int | None:
@@ -58,7 +58,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def verify(path: Path) -> Checkpoint:
     """Open a checkpoint: meta.json well-formed and in range, every file present and matching its checksum, the
     shard index naming only files the checkpoint holds, and the stored tensors exactly those of its config
-    snapshot's model (nanopt.train.contents). CheckpointError says what is wrong."""
+    snapshot's model (nanopt.train.checkpoint.contents). CheckpointError says what is wrong."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: meta.json is missing (an incomplete or foreign checkpoint)",
@@ -183,7 +183,7 @@ def check_fits(ckpt: Checkpoint, device: torch.device) -> None:
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
     """Copy the checkpoint's weights into `model`, Transformer(ckpt.model) (one process, any layout), tensor by
     tensor: memory stays at the model plus one tensor, not twice the model. Names and shapes were compared with
-    the model's when the checkpoint was verified (nanopt.train.contents)."""
+    the model's when the checkpoint was verified (nanopt.train.checkpoint.contents)."""
     aliases = ckpt.meta.get("tied", {})
     if ckpt.layout == SHARDED:
         sharded.load_model_weights(model, ckpt.path, aliases)

@@ -28,7 +28,7 @@ from nanopt.files import (
     write_file,
 )
 from nanopt.rundir import RunDir, step_dir_name
-from nanopt.train import sharded
+from nanopt.train.checkpoint import sharded
 from nanopt.train.checkpoint.meta import (
     FORMAT_VERSION,
     FULL,
