@@ -67,6 +67,7 @@ def replay_in_child(root: Path, dataset: Path, lines: int) -> dict:
     return result
 
 
+@pytest.mark.slow  # ~10 s of a 2-core CPU: make test keeps under its 5 minutes
 def test_eval_health_of_200k_lines_stays_within_the_bound(tmp_path: Path, tiny_dataset: Path):
     small = replay_in_child(tmp_path, tiny_dataset, 1000)
     large = replay_in_child(tmp_path, tiny_dataset, 200_000)

@@ -97,6 +97,7 @@ def test_meta_build_then_materialize_keeps_tying_and_inits():
     assert torch.equal(model(ids), direct(ids))
 
 
+@pytest.mark.slow  # ~10 s of a 2-core CPU: make test keeps under its 5 minutes
 def test_compiled_llama_reads_rope_from_tables_instead_of_computing_cos_and_sin():
     """RoPE's cos and sin come from tables built with the model. Computed in the forward, Inductor folded them into
     every layer's rotation and recomputed them in the backward too: 16 kernels a step of transcendentals for the 1B

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from clihelp import REPO
 
 WATCHED = r"""
@@ -38,6 +39,7 @@ def _watched(mode: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow  # ~10 s of a 2-core CPU: make test keeps under its 5 minutes
 def test_a_call_that_holds_the_gil_still_gets_every_threads_stack_on_stderr():
     result = _watched("gil")
     assert result.returncode == 0 and "done" in result.stdout, result.stderr
