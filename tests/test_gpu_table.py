@@ -4,6 +4,7 @@ and `nanopt estimate --gpu` takes the short names people type."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,21 @@ def test_a_cpu_has_one_peak_for_estimate_preflight_find_batch_profile_and_train(
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r.get("kind") == "train"]
     assert trained and all(r["mfu"] is not None and 0 < r["mfu"] <= 1 for r in trained), trained
+
+
+@pytest.mark.parametrize(("vendor", "flags", "per_cycle"), [
+    ("GenuineIntel", "fpu sse avx2 fma avx512f avx512bw", 64),  # two 512-bit FMA units
+    ("AuthenticAMD", "fpu sse avx2 fma avx512f avx512bw", 32),  # Zen 4 runs AVX-512 on its 256-bit units
+    ("GenuineIntel", "fpu sse avx2 fma", 32),
+])
+def test_a_cpus_peak_counts_its_widest_vector_units(tmp_path: Path, vendor: str, flags: str, per_cycle: int):
+    from nanopt.hardware import cpu_peak
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu MHz\t\t: 2100.000\nflags\t\t: {flags}\n")
+    peak = cpu_peak(cpuinfo)
+    assert peak is not None and peak.flops_per_cycle == per_cycle
+    assert peak.flops == pytest.approx(peak.cores * peak.ghz * 1e9 * per_cycle)
 
 
 # ----------------------------------------------------------------------------------------- estimate --gpu
