@@ -60,7 +60,7 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
     nanopt("preflight", str(run), allowed=(0, 3))  # 3: a check failed (listed); the rate is measured either way
     wall = nanopt("train", str(run), "--no-live")
     got = measured(read_metrics(run))
-    record = {"budget": budget, "steps": got["steps"], "command_wall_s": round(wall, 2)}
+    record = {"budget": budget, "model": shape(run), "steps": got["steps"], "command_wall_s": round(wall, 2)}
     for name, predicted in (("corrected", read_prediction(run)), ("uncorrected", uncorrected(run))):
         record[name] = {"source": predicted["throughput"]["source"], "tokens_per_s": predicted["tokens_per_s"],
                         "train_s": predicted["seconds"]["train"], "total_s": predicted["total_s"],
@@ -71,17 +71,27 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
     return record
 
 
+def shape(run: Path) -> str:
+    """The planned model in a few words: '4 x 64, context 512, 328,256 parameters'."""
+    from nanopt.config import load_run
+    from nanopt.model.flops import count_params
+
+    model = load_run(run).model
+    return (f"{model.num_hidden_layers} x {model.hidden_size}, context {model.max_position_embeddings}, "
+            f"{count_params(model).total:,} parameters")
+
+
 def commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| budget | steps | measured time | corrected: predicted, measured / predicted | uncorrected: predicted, "
-             "measured / predicted | measured cost |", "|---|---|---|---|---|---|"]
+    lines = ["| budget | model | steps | measured time | corrected: predicted, measured / predicted | uncorrected: predicted, "
+             "measured / predicted | measured cost |", "|---|---|---|---|---|---|---|"]
     for r in records:
         m, c, u = r["measured"], r["corrected"], r["uncorrected"]
-        lines.append(f"| {r['budget']} | {r['steps']} | {m['total_s']:.1f} s | {c['total_s']:.1f} s, "
+        lines.append(f"| {r['budget']} | {r.get('model', '?')} | {r['steps']} | {m['total_s']:.1f} s | {c['total_s']:.1f} s, "
                      f"{c['total_ratio']:.3f} | {u['total_s']:.1f} s, {u['total_ratio']:.3f} | "
                      f"${m['cost_usd']:.5f} |")
     return "\n".join(lines)
