@@ -110,6 +110,10 @@ def test_cli_reports_what_it_did(sources, tmp_path, cli_in_process):
     assert report["parameters"] == sum(p.numel() for p in sources["gpt2"][1].parameters())
     assert report["vocab_size"] == report["tokenizer_vocab_size"] == 512
     assert_user_error(cli_in_process("import", sources["gpt2"][0], "--run", tmp_path / "g"), "already exists")
+    # The run directory also goes by the name every other command that writes one uses.
+    for name in ("--out", "-o"):
+        assert cli_in_process("import", sources["gpt2"][0], name, tmp_path / name).returncode == 0
+        assert (tmp_path / name / "model.json").is_file()
 
 
 def _copy_source(sources, name: str, tmp_path: Path) -> Path:

@@ -41,7 +41,8 @@ nanopt import ./my-hf-model --run runs/mine --json
 def import_command(
     source: str = typer.Argument(..., metavar="SOURCE", help="A hub name (owner/name) or a local transformers "
                                  "directory."),
-    run: Path = typer.Option(..., "--run", metavar="RUN", help="The run directory to create (must not exist)."),
+    run: Path = typer.Option(..., "--run", "--out", "-o", metavar="RUN",
+                             help="The run directory to create (must not exist)."),
     revision: str | None = typer.Option(None, "--revision", metavar="REVISION", help="Hub revision: a branch, tag "
                                         "or commit."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print what was imported as JSON."),
