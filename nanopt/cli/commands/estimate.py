@@ -18,6 +18,8 @@ from nanopt.cli.helptext import epilog
 from nanopt.errors import ConfigError
 from nanopt.hardware import ALIASES, CPU, DEFAULT_GPU, GPUS
 from nanopt.plan.estimate import DEFAULT_MFU
+from nanopt.plan.planned_rate import SOURCE as PLANNED
+from nanopt.plan.planned_rate import describe as describe_planned
 
 ABOUT = """
 The memory ladder lists every rung at --num-gpus (parallelism ddp, zero1, zero2, fsdp, fsdp_offload, each with
@@ -32,6 +34,7 @@ ladder's recommendation there), each checked with the same memory model.
 Throughput is an assumed MFU of the device's peak, unless the run directory holds a preflight.json (`nanopt preflight`)
 measured with the run's current settings on the estimated device and GPU count, and no --mfu is given: then time and
 cost come from the measured tokens/s, and the table says so. Without --gpu, the estimate is for the preflight's device.
+A CPU run that `nanopt plan` wrote, with its settings still as planned, is estimated at the MFU the plan measured.
 
 --flops C plans a run from a compute budget: N = sqrt(C / (6 x ratio)) parameters and D = ratio x N tokens (C = 6ND,
 --chinchilla-ratio tokens per parameter), the time and cost of C FLOPs at the assumed MFU, and the most balanced
@@ -230,12 +233,14 @@ def render_budget(r: dict[str, Any]) -> None:
 
 
 def _mfu_text(r: dict[str, Any]) -> str:
-    measured = r["throughput_source"]["kind"] == "preflight"
+    measured = r["throughput_source"]["kind"] in ("preflight", PLANNED)
     mfu = fmt.percent(r["gpu"]["mfu"]) if r["gpu"]["mfu"] is not None else "implausible (above 100%)"
     return f"measured MFU {mfu}" if measured else f"assumed MFU {mfu}"
 
 
 def _throughput_text(source: dict[str, Any]) -> str:
+    if source["kind"] == PLANNED:
+        return describe_planned(source)
     if source["kind"] != "preflight":
         return ""
     failed = (f"; its checks failed: {', '.join(source['failed_checks'])}" if source["failed_checks"] else "")

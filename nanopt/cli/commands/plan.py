@@ -19,7 +19,9 @@ ABOUT = """
 The budget becomes the training steps' FLOPs: a time or money budget less a setup allowance and the shares kept
 for evaluation (2%), checkpoints (1%) and other time (1%), at the device's dense peak x the assumed MFU (0.4, or
 --mfu), slowed by the memory ladder's rung. Those FLOPs give the compute-optimal size (20 tokens per parameter)
-and the most balanced shape of the family near it, its sequence length, and the tokens it trains on.
+and the most balanced shape of the family near it, its sequence length, and the tokens it trains on. On --gpu cpu
+(this machine) with no --mfu, a few real steps of the planned model are then timed here and the plan made again
+at the MFU they ran at: on a CPU no single assumed MFU fits.
 
 The peak learning rate and the global batch are DeepSeek LLM's fits (Bi et al. 2024, arXiv:2401.02954) at that
 compute: eta = 0.3118 C^-0.125 and B = 0.2920 C^0.3271 tokens, C = M x D with M the non-embedding FLOPs per token.
@@ -58,8 +60,8 @@ def plan_command(
                                "time of the whole run (24h, 90min, 45s) or the training steps' FLOPs (1e19)."),
     data: Path = typer.Option(..., "--data", metavar="DIR", help="The dataset `nanopt tokenize` made: its tokenizer "
                               "sets the vocabulary, its splits' sizes what the budget may read."),
-    out: Path = typer.Option(..., "--out", metavar="RUN", help="The new run directory to write (must not exist, or "
-                             "be empty)."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="RUN",
+                             help="The new run directory to write (must not exist, or be empty)."),
     gpu: str = typer.Option(DEFAULT_GPU, "--gpu", metavar="GPU", rich_help_panel=HARDWARE,
                             help=f"GPU from the table: {', '.join(GPUS)}; a short name ({', '.join(ALIASES)}); or "
                             f"{CPU}: this machine's processor and memory."),
@@ -70,7 +72,9 @@ def plan_command(
                                                 "none, so a budget in USD on --gpu cpu needs it). Written into "
                                                 "train.json."),
     mfu: float | None = typer.Option(None, "--mfu", metavar="FRACTION", rich_help_panel=HARDWARE,
-                                     help="Model FLOPs utilization to assume (default 0.4)."),
+                                     help="Model FLOPs utilization to assume (default 0.4). With --gpu cpu and no "
+                                     "--mfu the plan measures a few steps of the planned model on this machine "
+                                     "instead (seconds)."),
     family: str = typer.Option("llama", "--family", metavar="llama|gpt2", help="The architecture: llama (RoPE, "
                                "SwiGLU, grouped KV heads) or gpt2."),
     max_epochs: float = typer.Option(4.0, "--max-epochs", metavar="N", help="Refuse a plan that reads the train "
@@ -83,12 +87,20 @@ def plan_command(
 
     check_out(out)
     plan = make_plan(PlanOptions(budget=budget, data=data, out=out, gpu=gpu, num_gpus=num_gpus,
-                                 price_per_hour=price_per_hour, family=family, mfu=mfu, max_epochs=max_epochs))
+                                 price_per_hour=price_per_hour, family=family, mfu=mfu, max_epochs=max_epochs),
+                     on_measure=lambda what: console(stderr=True).print(escape(what), soft_wrap=True))
     write_run(plan, out)
     if as_json:
         print_json({k: v for k, v in plan.items() if k not in ("model_json", "train_json")})
     else:
         render(plan)
+
+
+def _mfu_text(throughput: dict[str, Any], mfu: float) -> str:
+    if throughput["source"] != "measured":
+        return f"assumed MFU {fmt.percent(mfu)}"
+    near = "" if throughput["of_this_shape"] else " of a model near this one"
+    return f"MFU {fmt.percent(mfu)} measured on this CPU over {throughput['steps']} steps{near}"
 
 
 def render(p: dict[str, Any]) -> None:
@@ -118,8 +130,8 @@ def _rows(p: dict[str, Any], d: dict, m: dict, s: dict, c: dict, pred: dict) -> 
             + (f", not {fmt.duration(c['lost_limit_s'])}: saving that often would cost more than "
                f"{fmt.percent(c['checkpoint_share_limit'])} of the time" if c["lost_by_cost"] else ""))
     return [
-        ("compute", f"{fmt.sci(p['compute']['train_flops'])} FLOPs in the training steps ({_tflops(d)}, assumed "
-                    f"MFU {fmt.percent(d['mfu'])})"),
+        ("compute", f"{fmt.sci(p['compute']['train_flops'])} FLOPs in the training steps ({_tflops(d)}, "
+                    f"{_mfu_text(p['throughput'], d['mfu'])})"),
         ("model", f"{p['model_json']['architecture']}: {m['layers']} layers x {m['hidden_size']}, {heads}, vocab "
                   f"{m['vocab_size']:,}, seq_len {m['seq_len']:,}: {fmt.exact(m['params'])} parameters "
                   f"(compute-optimal: {fmt.count(p['compute']['optimal_params'])})"),

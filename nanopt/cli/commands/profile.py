@@ -36,8 +36,8 @@ STEPS, TRACE = "Steps profiled", "What the trace records"
 @app.command("profile", epilog=epilog(ABOUT, EXAMPLES))
 def profile_command(
     run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
-    out: Path | None = typer.Option(None, "--out", metavar="DIR", help="Directory for the traces and summary.json "
-                                    "(default: RUN/profile)."),
+    out: Path | None = typer.Option(None, "--out", "-o", metavar="DIR",
+                                    help="Directory for the traces and summary.json (default: RUN/profile)."),
     sets: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     steps: int = typer.Option(3, "--steps", metavar="N", rich_help_panel=STEPS,
                               help="Steps recorded and summarized (the profiler's 'active')."),

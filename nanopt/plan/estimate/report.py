@@ -19,6 +19,8 @@ from nanopt.plan.estimate.ladder import compare_gpus, ladder
 from nanopt.plan.estimate.layouts import parallelism
 from nanopt.plan.estimate.options import DEFAULT_MFU, EstimateOptions
 from nanopt.plan.estimate.target import Target, compiled, has_bf16, run_memory, run_precision, target_for
+from nanopt.plan.planned_rate import SOURCE as PLANNED
+from nanopt.plan.planned_rate import planned_mfu
 from nanopt.plan.preflight_record import changed_setting, fingerprint, read_preflight
 from nanopt.rundir import RunDir
 from nanopt.train.shape_schedule import longest_stage_run, run_flops_per_token
@@ -99,6 +101,10 @@ def _throughput_source(run: RunConfig | None,
         return opts, None, {"kind": "assumed", "mfu": opts.mfu, "note": None}
     note = _unusable(run, found, problem, key, num_gpus) if run is not None else None
     if found is None or note is not None:
+        planned = planned_mfu(run, key, num_gpus) if run is not None else None
+        if planned is not None:  # a CPU plan's own measurement, the run still as planned
+            mfu, path = planned
+            return replace(opts, mfu=mfu), None, {"kind": PLANNED, "mfu": mfu, "path": path, "note": None}
         return replace(opts, mfu=DEFAULT_MFU), None, {"kind": "assumed", "mfu": DEFAULT_MFU, "note": note}
     projection = found["projection"]
     outdated = _projection_outdated(run, projection)  # the speed still holds; the whole-run total does not

@@ -2,7 +2,8 @@
 
 1. The budget becomes the training steps' compute C: a time or money budget less the setup allowance and the
    shares reserved for evaluation, checkpoints and other time (nanopt.plan.recipe.cadence, nanopt.plan.prediction),
-   at the device's dense peak x the assumed MFU, slowed by the memory ladder's rung.
+   at the device's dense peak x the assumed MFU, slowed by the memory ladder's rung. On a CPU (the machine the run
+   will train on) the planned step is then measured, and the plan made again at the measured MFU.
 2. C gives the compute-optimal parameter count (Chinchilla's 20 tokens per parameter: nanopt.plan.estimate.budget)
    and a shape of the family near it (nanopt.plan.recipe.shape); the tokens are what C buys that shape at
    nanopt's FLOPs per token.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,8 @@ from nanopt.plan.estimate.budget import compute_optimal
 from nanopt.plan.estimate.ladder import ladder
 from nanopt.plan.estimate.target import has_bf16, run_memory, run_precision, target_for
 from nanopt.plan.prediction import OTHER_SHARE, Hardware, checkpoint_seconds, eval_seconds, predict
-from nanopt.plan.recipe import cadence, rule
+from nanopt.plan.preflight_record import fingerprint
+from nanopt.plan.recipe import cadence, probe, rule
 from nanopt.plan.recipe.budget import Budget, parse_budget
 from nanopt.plan.recipe.data import DataSplits, check_epochs, read_splits
 from nanopt.plan.recipe.options import Device, Memory, PlanOptions
@@ -39,16 +42,26 @@ from nanopt.plan.recipe.shape import MIN_SEQ_LEN, TOO_SMALL, TooSmall, choose_mo
 from nanopt.plan.recipe.write import CHINCHILLA_RATIO, plan_record
 
 MIN_STEPS = 50
+MAX_PROBES = 3  # measurements of the planned step on a CPU
 RESERVED = cadence.EVAL_SHARE + cadence.CHECKPOINT_SHARE + OTHER_SHARE  # of the steps' time, beside them
 
 
-def make_plan(opts: PlanOptions) -> dict[str, Any]:
+def make_plan(opts: PlanOptions, on_measure: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The plan as one JSON-ready dict: plan.json's record, and the two configs to write under "model_json" and
-    "train_json" (nanopt.plan.recipe.write)."""
+    "train_json" (nanopt.plan.recipe.write). On a CPU with no --mfu the planned step is measured on this machine
+    (nanopt.plan.recipe.probe), and `on_measure` hears before each measurement."""
     opts.validate()
     budget = parse_budget(opts.budget)
     device = _device(opts)
     splits = read_splits(opts.data)
+    plan, run = _plan_for(opts, budget, device, splits)
+    if not (device.on_cpu and opts.mfu is None and opts.measure):
+        return {**plan, "throughput": {"source": "assumed", "mfu": device.mfu}}
+    return _measured_plan(opts, budget, device, splits, run, on_measure)
+
+
+def _plan_for(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits) -> tuple[dict[str, Any],
+                                                                                                RunConfig]:
     slowdown, memory = 1.0, None
     for _ in range(4):  # the rung's slowdown changes the compute, which may change the model and its rung
         compute = _compute(budget, device, slowdown, opts, splits)
@@ -58,6 +71,33 @@ def make_plan(opts: PlanOptions) -> dict[str, Any]:
             break
         slowdown = memory.slowdown
     return _finish(opts, budget, device, splits, compute, model, seq_len, memory)
+
+
+def _measured_plan(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits, run: RunConfig,
+                   on_measure: Callable[[str], None] | None) -> dict[str, Any]:
+    """Plan again at the MFU measured for the planned step, until the plan's step is the one measured (the rate
+    changes the compute, which may change the shape or the batch): at most MAX_PROBES measurements."""
+    for attempt in range(1, MAX_PROBES + 1):
+        if on_measure is not None:
+            on_measure(f"measuring the planned step on this CPU ({run.model.num_hidden_layers} layers x "
+                       f"{run.model.hidden_size}, micro-batch {run.train.micro_batch_size} x {run.seq_len})")
+        measured = probe.measure_cpu_step(run)
+        mfu = measured.mfu(flops_per_token(run.model, run.seq_len), device.target.peak_flops)
+        plan, again = _plan_for(opts, budget, replace(device, mfu=mfu), splits)
+        same = _step_settings(again) == _step_settings(run)
+        if same or attempt == MAX_PROBES:
+            return {**plan, "throughput": {"source": "measured", **probe.probe_record(measured, mfu),
+                                           "of_this_shape": same, "measurements": attempt,
+                                           "fingerprint": fingerprint(again, 1)}}
+        run = again
+    raise AssertionError("unreachable")
+
+
+def _step_settings(run: RunConfig) -> tuple[Any, ...]:
+    """What decides the MFU of a plan's step: the model and the sequence length. The batch follows the compute, so
+    each measurement may move it by a sequence or two, which changes the rate far less than the measurement's own
+    noise."""
+    return run.model.to_dict(), run.seq_len
 
 
 # ---------------------------------------------------------------------------------------------- budget to compute
@@ -185,7 +225,7 @@ def _run(model: ModelConfig, seq_len: int, micro: int, batch_tokens: int, train_
 
 
 def _finish(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits, compute: float,
-            model: ModelConfig, seq_len: int, memory: Memory) -> dict[str, Any]:
+            model: ModelConfig, seq_len: int, memory: Memory) -> tuple[dict[str, Any], RunConfig]:
     fpt = flops_per_token(model, seq_len)
     micro, global_tokens, steps = _batch(compute / fpt, model, seq_len, budget, device, compute, memory)
     train_tokens = steps * global_tokens
@@ -209,7 +249,7 @@ def _finish(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplit
         checkpoint_interval=timing.checkpoint_interval, keep_checkpoints=cadence.KEEP_CHECKPOINTS))
     run.train.validate(model, "the planned train.json", look_up_data=False)
     prediction = predict(run, Hardware(device.gpu, device.num_gpus, opts.price_per_hour, device.mfu), "nanopt plan")
-    return plan_record(opts, budget, device, splits, compute, run, memory, timing, prediction)
+    return plan_record(opts, budget, device, splits, compute, run, memory, timing, prediction), run
 
 
 def _batch(tokens: float, model: ModelConfig, seq_len: int, budget: Budget, device: Device, compute: float,

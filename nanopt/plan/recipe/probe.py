@@ -1,0 +1,69 @@
+"""On a CPU `nanopt plan` plans for the machine it runs on, so it measures the planned model's optimizer step there
+instead of assuming an MFU: a handful of real training steps (nanopt.train.session, the loader included) of the
+run as planned, on its dataset, with the threads `nanopt train` would choose.
+
+Why measure: on a CPU no one MFU fits. The step's efficiency swings with the model's width (a 128-wide model's
+GEMMs run far closer to the peak than a 64-wide one's) and with the clock the cores really run at, which the counted
+peak cannot know; the assumed MFU left runs planned for 2, 5 and 10 minutes taking 0.82, 0.77 and 0.59 of their
+predicted time (bench/RESULTS.md). A few steps cost a second or two; on a GPU the plan is usually made elsewhere
+than the run, and the assumed MFU stands until `nanopt preflight`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nanopt.config import RunConfig
+
+STEPS = 6  # the first is not timed: allocations and first touches
+MIN_TIMED_S = 1.0  # time at least this many seconds of steps: a short step is timed over more of them
+MAX_STEPS = 40
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the measurement found: the median optimizer step, the tokens per second it gives, and how."""
+
+    tokens_per_s: float
+    step_s: float
+    steps: int
+    threads: int | None
+    device_name: str
+
+    def mfu(self, flops_per_token: float, peak_flops: float) -> float:
+        """The measured rate as a fraction of the peak the plan counts for this CPU; at most 1 (a higher value
+        would say the counted peak is too low, and the plan then plans at the peak)."""
+        return min(1.0, self.tokens_per_s * flops_per_token / peak_flops)
+
+
+def measure_cpu_step(run: RunConfig) -> Probe:
+    """Time the run's optimizer step on this machine's CPU (see the module docstring); nothing is written."""
+    import torch
+
+    from nanopt.devices import device_name
+    from nanopt.runtime import Runtime, resolve_precision, set_cpu_threads
+    from nanopt.train.session import build_session
+    from nanopt.train.step import step
+
+    device = torch.device("cpu")
+    threads = set_cpu_threads()
+    rt = Runtime(device=device, rank=0, local_rank=0, world_size=1, precision=resolve_precision("auto", device),
+                 cpu_threads=threads)
+    session = build_session(run, rt, writes=False)
+    times: list[float] = []
+    while len(times) < MAX_STEPS and (len(times) < STEPS or sum(times[1:]) < MIN_TIMED_S):
+        started = time.perf_counter()
+        step(session)
+        times.append(time.perf_counter() - started)
+    del session
+    step_s = statistics.median(times[1:])
+    return Probe(tokens_per_s=run.train.global_batch_tokens / step_s, step_s=step_s, steps=len(times) - 1,
+                 threads=threads.threads, device_name=device_name(device))
+
+
+def probe_record(probe: Probe, mfu: float) -> dict[str, Any]:
+    return {"tokens_per_s": probe.tokens_per_s, "step_s": probe.step_s, "steps": probe.steps, "mfu": mfu,
+            "threads": probe.threads, "device": probe.device_name}
