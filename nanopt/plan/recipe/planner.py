@@ -54,14 +54,15 @@ def make_plan(opts: PlanOptions, on_measure: Callable[[str], None] | None = None
     budget = parse_budget(opts.budget)
     device = _device(opts)
     splits = read_splits(opts.data)
-    plan, run = _plan_for(opts, budget, device, splits)
-    if not (device.on_cpu and opts.mfu is None and opts.measure):
+    measuring = device.on_cpu and opts.mfu is None and opts.measure
+    plan, run = _plan_for(opts, budget, device, splits, check_data=not measuring)
+    if not measuring:
         return {**plan, "throughput": {"source": "assumed", "mfu": device.mfu}}
     return _measured_plan(opts, budget, device, splits, run, on_measure)
 
 
-def _plan_for(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits) -> tuple[dict[str, Any],
-                                                                                                RunConfig]:
+def _plan_for(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits,
+              check_data: bool = True) -> tuple[dict[str, Any], RunConfig]:
     slowdown, memory = 1.0, None
     for _ in range(4):  # the rung's slowdown changes the compute, which may change the model and its rung
         compute = _compute(budget, device, slowdown, opts, splits)
@@ -70,23 +71,26 @@ def _plan_for(opts: PlanOptions, budget: Budget, device: Device, splits: DataSpl
         if math.isclose(memory.slowdown, slowdown):
             break
         slowdown = memory.slowdown
-    return _finish(opts, budget, device, splits, compute, model, seq_len, memory)
+    return _finish(opts, budget, device, splits, compute, model, seq_len, memory, check_data)
 
 
 def _measured_plan(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits, run: RunConfig,
                    on_measure: Callable[[str], None] | None) -> dict[str, Any]:
     """Plan again at the MFU measured for the planned step, until the plan's step is the one measured (the rate
-    changes the compute, which may change the shape or the batch): at most MAX_PROBES measurements."""
+    changes the compute, which may change the shape or the batch): at most MAX_PROBES measurements. Whether the
+    dataset holds what the budget reads is judged at the measured rate only, so that a refusal's hint (a lower
+    budget) is one that plans."""
     for attempt in range(1, MAX_PROBES + 1):
         if on_measure is not None:
             on_measure(f"measuring the planned step on this CPU ({run.model.num_hidden_layers} layers x "
                        f"{run.model.hidden_size}, micro-batch {run.train.micro_batch_size} x {run.seq_len})")
         measured = probe.measure_cpu_step(run)
-        mfu = measured.mfu(flops_per_token(run.model, run.seq_len), device.target.peak_flops)
-        plan, again = _plan_for(opts, budget, replace(device, mfu=mfu), splits)
+        at = replace(device, mfu=measured.mfu(flops_per_token(run.model, run.seq_len), device.target.peak_flops))
+        _, again = _plan_for(opts, budget, at, splits, check_data=False)
         same = _step_settings(again) == _step_settings(run)
         if same or attempt == MAX_PROBES:
-            return {**plan, "throughput": {"source": "measured", **probe.probe_record(measured, mfu),
+            plan, again = _plan_for(opts, budget, at, splits)  # the data judged, at the measured rate
+            return {**plan, "throughput": {"source": "measured", **probe.probe_record(measured, at.mfu),
                                            "of_this_shape": same, "measurements": attempt,
                                            "fingerprint": fingerprint(again, 1)}}
         run = again
@@ -225,7 +229,7 @@ def _run(model: ModelConfig, seq_len: int, micro: int, batch_tokens: int, train_
 
 
 def _finish(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplits, compute: float,
-            model: ModelConfig, seq_len: int, memory: Memory) -> tuple[dict[str, Any], RunConfig]:
+            model: ModelConfig, seq_len: int, memory: Memory, check_data: bool) -> tuple[dict[str, Any], RunConfig]:
     fpt = flops_per_token(model, seq_len)
     micro, global_tokens, steps = _batch(compute / fpt, model, seq_len, budget, device, compute, memory)
     train_tokens = steps * global_tokens
@@ -235,7 +239,8 @@ def _finish(opts: PlanOptions, budget: Budget, device: Device, splits: DataSplit
         fits = compute * factor >= least
         return _budget_for(budget, device, compute * factor, memory.slowdown, up=False) if fits else None
 
-    check_epochs(splits, opts.data, train_tokens, opts.max_epochs, seq_len, lowered)
+    if check_data:
+        check_epochs(splits, opts.data, train_tokens, opts.max_epochs, seq_len, lowered)
     tokens_per_s = device.flops_per_second / (fpt * memory.slowdown)
     eval_tokens = cadence.eval_tokens_for(train_tokens, seq_len, splits.val_tokens)
     run = _run(model, seq_len, micro, global_tokens, train_tokens, device, opts, memory.settings)
