@@ -19,7 +19,8 @@ from typing import Any
 from nanopt.config import RunConfig
 
 STEPS = 6  # the first is not timed: allocations and first touches
-MIN_TIMED_S = 1.0  # time at least this many seconds of steps: a short step is timed over more of them
+MIN_TIMED_S = 2.0  # time at least this many seconds of steps: a short step is timed over more of them (a
+# shared machine's rate drifts by 10% from one second to the next)
 MAX_STEPS = 40
 
 
