@@ -19,13 +19,18 @@ from nanopt.hardware import GPUS
 
 def plan(cli, tmp_path: Path, dataset: Path, *args: str, name: str = "run"):
     out = tmp_path / name
-    return out, cli("plan", "--data", dataset, "--out", out, *args)
+    return out, cli("plan", "--data", dataset, "--out", out, *args, *AT_STATED_MFU)
+
+
+# The arithmetic at a stated MFU: a CPU plan would otherwise be made at the MFU it measures here
+# (tests/test_plan_measures_cpu.py), which moves with the machine's load.
+AT_STATED_MFU = ("--mfu", "0.4")
 
 
 # Budgets from a CPU half-minute to a GPU cluster's day; the GPU plans read the tiny dataset many times over,
 # which --max-epochs allows: the arithmetic, not the data, is under test here.
 PLANS = {
-    "cpu-30s": ("--budget", "30s", "--gpu", "cpu", "--max-epochs", "1e6"),
+    "cpu-30s": ("--budget", "30s", "--gpu", "cpu", "--max-epochs", "1e6", *AT_STATED_MFU),
     "h100x8-500USD": ("--budget", "500USD", "--gpu", "h100-sxm", "--num-gpus", "8", "--max-epochs", "1e6"),
     "h100x8-24h-gpt2": ("--budget", "24h", "--gpu", "h100", "--num-gpus", "8", "--family", "gpt2",
                         "--max-epochs", "1e6"),
