@@ -241,11 +241,11 @@ def test_eval_health_of_a_strangers_odd_values_is_no_traceback(tmp_path: Path, t
     assert report["signals"]["step"] == 30 and Path(report["chart"]).is_file()
 
 
-def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path):
+def test_eval_health_of_a_run_that_has_not_logged_is_one_line(tmp_path: Path, tiny_dataset: Path, cli_in_process):
     run = make_run(tmp_path, tiny_dataset)
-    assert_user_error(run_cli("eval", run, "--health"), "no metrics.jsonl")
-    assert_user_error(run_cli("eval", tmp_path / "missing", "--health"), "run directory not found")
-    assert_user_error(run_cli("health", run), "no metrics.jsonl")
+    assert_user_error(cli_in_process("eval", run, "--health"), "no metrics.jsonl")
+    assert_user_error(cli_in_process("eval", tmp_path / "missing", "--health"), "run directory not found")
+    assert_user_error(cli_in_process("health", run), "no metrics.jsonl")
 
 
 def test_muon_reports_its_matrices_ratio(tmp_path: Path, tiny_dataset: Path, cli_in_process):

@@ -5,6 +5,8 @@ plan.json that is damaged or crafted. Real plans of the tiny dataset on this CPU
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -25,14 +27,16 @@ RESERVED = 0.02 + 0.01 + 0.01  # evaluation, checkpoints, other (docs/budget.md)
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path):
-    """A 30-second CPU plan made by the CLI in this process: (the run, plan.json, what it said on stderr)."""
+    """A 30-second CPU plan made by the CLI in this process: (the run, plan.json, what it printed, what it said on
+    stderr). One plan serves every test: each measures for seconds."""
     from nanopt.cli import main
 
     run = tmp_path_factory.mktemp("measured") / "run"
-    with pytest.raises(SystemExit) as leaving:
-        main(["plan", "--data", str(tiny_dataset), "--out", str(run), "--json", *BUDGET])
-    assert leaving.value.code == 0
-    return run, json.loads((run / "plan.json").read_text())
+    printed, said = io.StringIO(), io.StringIO()
+    with pytest.raises(SystemExit) as leaving, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        main(["plan", "--data", str(tiny_dataset), "--out", str(run), *BUDGET])
+    assert leaving.value.code == 0, said.getvalue()
+    return run, json.loads((run / "plan.json").read_text()), printed.getvalue(), said.getvalue()
 
 
 def source_of(run: Path) -> dict:
@@ -40,7 +44,7 @@ def source_of(run: Path) -> dict:
 
 
 def test_the_plan_is_made_at_the_mfu_it_measured_here(planned):
-    run, plan = planned
+    run, plan, _, _ = planned
     throughput, config = plan["throughput"], load_run(run)
     assert throughput["source"] == "measured" and 1 <= throughput["measurements"] <= 3
     assert 0 < throughput["mfu"] <= 1 and throughput["steps"] >= 5 and throughput["step_s"] > 0
@@ -54,7 +58,7 @@ def test_the_plan_is_made_at_the_mfu_it_measured_here(planned):
 
 
 def test_estimate_and_the_training_prediction_use_the_plans_rate_while_the_run_is_as_planned(planned):
-    run, plan = planned
+    run, plan, _, _ = planned
     assert source_of(run) == {"kind": "plan-measured", "mfu": plan["throughput"]["mfu"],
                               "path": str(run / "plan.json"), "note": None}
     # What `nanopt train` records before its first step (nanopt.plan.prediction.record_prediction) on this CPU.
@@ -65,7 +69,7 @@ def test_estimate_and_the_training_prediction_use_the_plans_rate_while_the_run_i
 
 
 def test_a_run_changed_since_the_plan_is_estimated_at_the_assumed_mfu(planned, tmp_path: Path):
-    run, _ = planned
+    run, _, _, _ = planned
     changed = Path(tmp_path / "changed")
     changed.mkdir()
     for name in ("model.json", "plan.json"):
@@ -83,7 +87,7 @@ def test_a_run_changed_since_the_plan_is_estimated_at_the_assumed_mfu(planned, t
 @pytest.mark.parametrize("damage", ["mfu a string", "mfu above 1", "mfu zero", "no fingerprint", "not an object",
                                     "not json", "a directory", "too large"])
 def test_a_damaged_or_crafted_plan_json_is_the_assumed_mfu_and_no_error(planned, tmp_path: Path, damage: str):
-    run, plan = planned
+    run, plan, _, _ = planned
     copy = tmp_path / "copy"
     copy.mkdir()
     for name in ("model.json", "train.json"):
@@ -126,11 +130,8 @@ def test_an_mfu_given_is_assumed_and_nothing_is_measured(tmp_path: Path, tiny_da
     assert plan["throughput"] == {"source": "assumed", "mfu": 0.3} and source_of(out)["kind"] == "assumed"
 
 
-def test_the_cli_says_what_it_measures_and_at_what_mfu_it_planned(tmp_path: Path, tiny_dataset: Path,
-                                                                   cli_in_process):
-    out = tmp_path / "said"
-    result = cli_in_process("plan", "--data", tiny_dataset, "--out", out, *BUDGET)
-    assert result.returncode == 0, result.stderr
-    plan = json.loads((out / "plan.json").read_text())
-    assert "measuring the planned step on this CPU" in result.stderr
-    assert f"measured on this CPU over {plan['throughput']['steps']} steps" in " ".join(result.stdout.split())
+def test_the_cli_says_what_it_measures_and_at_what_mfu_it_planned(planned):
+    _, plan, printed, said = planned
+    assert said.count("measuring the planned step on this CPU") == plan["throughput"]["measurements"]
+    words = " ".join(printed.replace("│", " ").split())
+    assert f"{plan['throughput']['mfu']:.1%} measured on this CPU over {plan['throughput']['steps']} steps" in words
