@@ -277,6 +277,8 @@ def test_a_plan_is_trained_and_its_prediction_set_beside_what_it_measured(smoke)
     [planned] = _by_workload(smoke.records)["plan:gpt2"]
     assert planned["status"] == "ok" and planned["command"].startswith("nanopt plan --budget 1min --gpu cpu")
     assert "--data data/stdlib" in planned["command"] and "nanopt train runs/planned" in planned["command"]
-    assert planned["params"] > 0 and planned["micro_batch"] >= 1 and planned["assumed_mfu"] == 0.4
+    assert planned["params"] > 0 and planned["micro_batch"] >= 1
+    # The smoke run plans for this CPU, which the plan measures; a GPU plan assumes its MFU.
+    assert planned["mfu_source"] == "measured" and 0 < planned["mfu"] <= 1
     assert planned["step_ratio"] == pytest.approx(planned["measured_step_s"] / planned["predicted_step_s"])
     assert planned["peak_ratio"] > 0 and planned["measured_peak_gib"] > 0

@@ -67,7 +67,8 @@ def _planned(plan: dict[str, Any]) -> dict[str, Any]:
     return {"budget": plan["budget"]["text"], "params": model["params"],
             "shape": f"{model['layers']} x {model['hidden_size']}", "seq_len": model["seq_len"],
             "micro_batch": batch["micro_batch_size"], "grad_accum": batch["grad_accum"], "rung": batch["rung"],
-            "global_batch_tokens": batch["global_batch_tokens"], "assumed_mfu": plan["device"]["mfu"]}
+            "global_batch_tokens": batch["global_batch_tokens"], "mfu": plan["device"]["mfu"],
+            "mfu_source": plan["throughput"]["source"]}  # assumed on a GPU; measured by the plan on a CPU
 
 
 def _against(prediction: dict[str, Any], train: list[dict[str, Any]]) -> dict[str, Any]:
