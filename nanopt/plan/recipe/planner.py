@@ -83,8 +83,9 @@ def _measured_plan(opts: PlanOptions, budget: Budget, device: Device, splits: Da
     for attempt in range(1, MAX_PROBES + 1):
         if on_measure is not None:
             on_measure(f"measuring the planned step on this CPU ({run.model.num_hidden_layers} layers x "
-                       f"{run.model.hidden_size}, micro-batch {run.train.micro_batch_size} x {run.seq_len})")
-        measured = probe.measure_cpu_step(run)
+                       f"{run.model.hidden_size}, micro-batch {run.train.micro_batch_size} x {run.seq_len}; at most "
+                       f"{probe.MAX_S:g} s)")
+        measured = probe.measure_cpu_step(run, device.flops_per_second)
         at = replace(device, mfu=measured.mfu(flops_per_token(run.model, run.seq_len), device.target.peak_flops))
         _, again = _plan_for(opts, budget, at, splits, check_data=False)
         same = _step_settings(again) == _step_settings(run)

@@ -1,6 +1,6 @@
 """On a CPU `nanopt plan` plans for the machine it runs on, so it measures the planned model's optimizer step there
 instead of assuming an MFU: a handful of real training steps (nanopt.train.session, the loader included) of the
-run as planned, on its dataset, with the threads `nanopt train` would choose.
+run as planned, on its dataset, with the threads `nanopt train` would choose; of a large run, steps cut short (below).
 
 Why measure: on a CPU no one MFU fits. The step's efficiency swings with the model's width (a 128-wide model's
 GEMMs run far closer to the peak than a 64-wide one's) and with the clock the cores really run at, which the counted
@@ -22,6 +22,12 @@ STEPS = 6  # the first is not timed: allocations and first touches
 MIN_TIMED_S = 2.0  # time at least this many seconds of steps: a short step is timed over more of them (a
 # shared machine's rate drifts by 10% from one second to the next)
 MAX_STEPS = 40
+# A large plan's step (a budget of CPU-days: a micro-batch of seconds, dozens of them a step) is not timed whole: the
+# measurement runs steps of at most two micro-batches (as find-batch's trials do) of at most the sequences that
+# take about MICRO_BATCH_S at the assumed MFU, and stops after MAX_S once MIN_TIMED steps are timed.
+MICRO_BATCH_S = 1.0
+MAX_S = 20.0
+MIN_TIMED = 2
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,9 @@ class Probe:
         return min(1.0, self.tokens_per_s * flops_per_token / peak_flops)
 
 
-def measure_cpu_step(run: RunConfig) -> Probe:
-    """Time the run's optimizer step on this machine's CPU (see the module docstring); nothing is written."""
+def measure_cpu_step(run: RunConfig, assumed_flops_per_s: float) -> Probe:
+    """Time the run's optimizer step on this machine's CPU (see the module docstring; a large step in part, as said
+    above, `assumed_flops_per_s` sizing the part); nothing is written."""
     import torch
 
     from nanopt.devices import device_name
@@ -53,16 +60,36 @@ def measure_cpu_step(run: RunConfig) -> Probe:
     threads = set_cpu_threads()
     rt = Runtime(device=device, rank=0, local_rank=0, world_size=1, precision=resolve_precision("auto", device),
                  cpu_threads=threads)
-    session = build_session(run, rt, writes=False)
+    measured = measured_run(run, assumed_flops_per_s)
+    session = build_session(measured, rt, writes=False)
     times: list[float] = []
-    while len(times) < MAX_STEPS and (len(times) < STEPS or sum(times[1:]) < MIN_TIMED_S):
+    while _more(times):
         started = time.perf_counter()
         step(session)
         times.append(time.perf_counter() - started)
     del session
     step_s = statistics.median(times[1:])
-    return Probe(tokens_per_s=run.train.global_batch_tokens / step_s, step_s=step_s, steps=len(times) - 1,
+    return Probe(tokens_per_s=measured.train.global_batch_tokens / step_s, step_s=step_s, steps=len(times) - 1,
                  threads=threads.threads, device_name=device_name(device))
+
+
+def measured_run(run: RunConfig, assumed_flops_per_s: float) -> RunConfig:
+    """The run as measured: its micro-batch cut to what takes about MICRO_BATCH_S, in steps of at most two."""
+    from nanopt.model.flops import flops_per_token
+    from nanopt.plan.find_batch.search import trial_run
+
+    per_sequence_s = flops_per_token(run.model, run.seq_len) * run.seq_len / assumed_flops_per_s
+    micro = max(1, min(run.train.micro_batch_size, int(MICRO_BATCH_S / per_sequence_s)))
+    if micro == run.train.micro_batch_size and run.grad_accum_steps(1) <= 2:
+        return run  # measured whole
+    return trial_run(run, micro, 1)
+
+
+def _more(times: list[float]) -> bool:
+    timed = times[1:]
+    if len(timed) >= MIN_TIMED and sum(times) >= MAX_S:
+        return False
+    return len(times) < MAX_STEPS and (len(times) < STEPS or sum(timed) < MIN_TIMED_S)
 
 
 def probe_record(probe: Probe, mfu: float) -> dict[str, Any]:
