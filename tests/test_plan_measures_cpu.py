@@ -137,3 +137,17 @@ def test_the_cli_says_what_it_measures_and_at_what_mfu_it_planned(planned):
     assert said.count("measuring the planned step on this CPU") == plan["throughput"]["measurements"]
     words = " ".join(printed.replace("│", " ").split())
     assert f"{plan['throughput']['mfu']:.1%} measured on this CPU over {plan['throughput']['steps']} steps" in words
+
+
+def test_a_large_plans_step_is_measured_in_part(planned):
+    """A step of minutes (a CPU-days budget) is timed as steps of at most two micro-batches, each cut to about
+    MICRO_BATCH_S at the assumed rate; a small plan's step is measured whole."""
+    from nanopt.plan.recipe.probe import MICRO_BATCH_S, measured_run
+
+    run = load_run(planned[0])
+    sequence_flops = flops_per_token(run.model, run.seq_len) * run.seq_len
+    assert measured_run(run, 1e3 * sequence_flops) is run  # a thousand sequences a second: whole
+    for per_second in (4 / MICRO_BATCH_S, 1e-3):  # four sequences in the second, or one in a thousand seconds
+        cut = measured_run(run, per_second * sequence_flops)
+        assert cut.train.micro_batch_size == max(1, min(run.train.micro_batch_size, int(per_second * MICRO_BATCH_S)))
+        assert cut.grad_accum_steps(1) <= 2 and cut.model == run.model and cut.seq_len == run.seq_len
