@@ -27,7 +27,6 @@ class PlanOptions:
     family: str = "llama"
     mfu: float | None = None
     max_epochs: float = 4.0
-    measure: bool = True  # on a CPU with no mfu: measure the planned step here (nanopt.plan.recipe.probe)
 
     def validate(self) -> None:
         hint = "see `nanopt plan --help`"

@@ -54,7 +54,7 @@ def make_plan(opts: PlanOptions, on_measure: Callable[[str], None] | None = None
     budget = parse_budget(opts.budget)
     device = _device(opts)
     splits = read_splits(opts.data)
-    measuring = device.on_cpu and opts.mfu is None and opts.measure
+    measuring = device.on_cpu and opts.mfu is None  # this machine, and no MFU stated: measured here
     plan, run = _plan_for(opts, budget, device, splits, check_data=not measuring)
     if not measuring:
         return {**plan, "throughput": {"source": "assumed", "mfu": device.mfu}}

@@ -49,17 +49,12 @@ class Probe:
 def measure_cpu_step(run: RunConfig, assumed_flops_per_s: float) -> Probe:
     """Time the run's optimizer step on this machine's CPU (see the module docstring; a large step in part, as said
     above, `assumed_flops_per_s` sizing the part); nothing is written."""
-    import torch
-
     from nanopt.devices import device_name
-    from nanopt.runtime import Runtime, resolve_precision, set_cpu_threads
+    from nanopt.runtime import runtime_on
     from nanopt.train.session import build_session
     from nanopt.train.step import step
 
-    device = torch.device("cpu")
-    threads = set_cpu_threads()
-    rt = Runtime(device=device, rank=0, local_rank=0, world_size=1, precision=resolve_precision("auto", device),
-                 cpu_threads=threads)
+    rt = runtime_on("cpu")  # the threads `nanopt train` would choose, said in rt.cpu_threads
     measured = measured_run(run, assumed_flops_per_s)
     session = build_session(measured, rt, writes=False)
     times: list[float] = []
@@ -70,7 +65,7 @@ def measure_cpu_step(run: RunConfig, assumed_flops_per_s: float) -> Probe:
     del session
     step_s = statistics.median(times[1:])
     return Probe(tokens_per_s=measured.train.global_batch_tokens / step_s, step_s=step_s, steps=len(times) - 1,
-                 threads=threads.threads, device_name=device_name(device))
+                 threads=rt.cpu_threads.threads if rt.cpu_threads else None, device_name=device_name(rt.device))
 
 
 def measured_run(run: RunConfig, assumed_flops_per_s: float) -> RunConfig:
