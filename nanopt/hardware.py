@@ -1,6 +1,6 @@
 """Accelerators nanopt knows: dense peak throughput, memory and a typical on-demand price; and this machine's CPU
 (its peak worked out from cores, clock and vector units, its memory) for `nanopt estimate --gpu cpu`, and the cores
-a process may use and how busy other work keeps them (from which nanopt.runtime chooses torch's CPU threads).
+a process may use and how busy other work keeps them (from which nanopt.cpu_threads chooses torch's CPU threads).
 
 Peaks are the vendors' dense (non-sparse) tensor-core figures with fp32 accumulation, per GPU. MFU is always
 computed against the peak of the dtype the run uses; sparsity figures are never used. Prices are typical

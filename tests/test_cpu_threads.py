@@ -1,6 +1,6 @@
 """On the CPU nanopt chooses torch's intra-op threads from the cores this process may use and how busy they are
 (or keeps the person's OMP_NUM_THREADS), says so in one line, and says once when the steps fall far below the pace
-they kept earlier in the session (nanopt.runtime, nanopt.hardware, nanopt.train.observe.pace).
+they kept earlier in the session (nanopt.cpu_threads, nanopt.hardware, nanopt.train.observe.pace).
 
 The machine readers are tested on real files written here, malformed ones included; the decisions on the cores
 and loads they stand for; the whole on real processes: a `nanopt preflight` and a `nanopt train` pinned to one CPU,
@@ -26,8 +26,8 @@ from clihelp import REPO
 from faulthelp import TINY_MODEL, Launcher, tiny_run
 from trainhelp import HIDE_CUDA, make_run
 
+from nanopt.cpu_threads import CPUThreads, choose_cpu_threads, set_cpu_threads, thread_setting
 from nanopt.hardware import CPUCores, busy_elsewhere, cpu_cores, cpu_quota, cpu_ticks, other_work, physical_cores
-from nanopt.runtime import CPUThreads, choose_cpu_threads, set_cpu_threads, thread_setting
 from nanopt.train.observe import pace
 from nanopt.train.observe.pace import SlowdownWatch
 
@@ -197,7 +197,7 @@ def test_torchruns_default_is_told_from_the_parents_start_environment():
     """As torchrun does: a parent started without OMP_NUM_THREADS sets it in its own environment, then starts a
     rank with it. The rank sees OMP_NUM_THREADS=1 and still knows it was not the person's; with the person's own,
     the same chain keeps it."""
-    rank = ("import os\nfrom nanopt.runtime import thread_setting\n"
+    rank = ("import os\nfrom nanopt.cpu_threads import thread_setting\n"
             "print(thread_setting(os.environ))")
     parent = textwrap.dedent(f"""
         import os, subprocess, sys

@@ -104,7 +104,7 @@ class SlowdownWatch:
 
 
 def announce(s: Any) -> None:
-    """On the CPU, the start-up's second line: how many threads torch runs, and why (nanopt.runtime.CPUThreads)."""
+    """On the CPU, the start-up's second line: how many threads torch runs, and why (nanopt.cpu_threads.CPUThreads)."""
     if s.rt.cpu_threads is not None:
         s.observer.note(s.rt.cpu_threads.line())
 
