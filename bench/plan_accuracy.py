@@ -41,18 +41,20 @@ def nanopt(*args: str, allowed: tuple[int, ...] = (0,)) -> float:
     return time.perf_counter() - started
 
 
-def uncorrected(run_dir: Path) -> dict[str, Any]:
-    """nanopt's prediction for the run as it trained at the rate `nanopt plan` planned it at (the MFU it measured
-    on this CPU; the assumed one where it measured none), with no preflight."""
+def uncorrected(run_dir: Path, threads: int | None) -> dict[str, Any]:
+    """nanopt's prediction for the run as it trained (with `threads` torch threads) at the rate `nanopt plan`
+    planned it at (the MFU it measured on this CPU with those threads; the assumed one where it did not), with no
+    preflight."""
     from nanopt.config import load_run
     from nanopt.plan.estimate import DEFAULT_MFU
     from nanopt.plan.planned_rate import planned_mfu
     from nanopt.plan.prediction import Hardware, predict
 
     run = load_run(run_dir)
-    planned = planned_mfu(run, "cpu", 1)
+    planned = planned_mfu(run, "cpu", 1, threads)
     mfu = DEFAULT_MFU if planned is None else planned[0]
-    prediction = predict(run, Hardware("cpu", 1, PRICE_PER_HOUR, mfu=mfu), "bench/plan_accuracy.py")
+    hardware = Hardware("cpu", 1, PRICE_PER_HOUR, mfu=mfu, cpu_threads=threads)
+    prediction = predict(run, hardware, "bench/plan_accuracy.py")
     prediction["throughput"]["source"] = "assumed" if planned is None else "plan-measured"
     return prediction
 
@@ -67,8 +69,10 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
     nanopt("preflight", str(run), allowed=(0, 3))  # 3: a check failed (listed); the rate is measured either way
     wall = nanopt("train", str(run), "--no-live")
     got = measured(read_metrics(run))
-    record = {"budget": budget, "model": shape(run), "steps": got["steps"], "command_wall_s": round(wall, 2)}
-    for name, predicted in (("corrected", read_prediction(run)), ("uncorrected", uncorrected(run))):
+    corrected = read_prediction(run)
+    record = {"budget": budget, "model": shape(run), "steps": got["steps"], "command_wall_s": round(wall, 2),
+              "threads": threads_used(run, corrected)}
+    for name, predicted in (("corrected", corrected), ("uncorrected", uncorrected(run, record["threads"]["train"]))):
         record[name] = {"source": predicted["throughput"]["source"], "mfu": predicted["throughput"]["mfu"],
                         "tokens_per_s": predicted["tokens_per_s"],
                         "train_s": predicted["seconds"]["train"], "total_s": predicted["total_s"],
@@ -77,6 +81,18 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
                         "cost_ratio": got["cost_usd"] / predicted["cost_usd"] if predicted["cost_usd"] else None}
     record["measured"] = {key: got[key] for key in ("tokens_per_s", "train_s", "total_s", "cost_usd")}
     return record
+
+
+def threads_used(run: Path, prediction: dict[str, Any]) -> dict[str, int | None]:
+    """The torch threads the plan's measurement, the preflight and the training ran with: each process chose them
+    from the cores free as it started, so other work on the machine can make them differ (a measurement with other
+    threads is not used for the run's prediction)."""
+    from nanopt.cpu_threads import recorded_threads
+
+    plan = json.loads((run / "plan.json").read_text()).get("throughput", {})
+    preflight = json.loads((run / "preflight.json").read_text())["device"].get("cpu_threads")
+    return {"plan": recorded_threads(plan.get("threads")), "preflight": recorded_threads(preflight),
+            "train": prediction["device"].get("cpu_threads")}
 
 
 def shape(run: Path) -> str:

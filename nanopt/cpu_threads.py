@@ -137,6 +137,13 @@ def choose_cpu_threads(cores: CPUCores, busy: float | None, own: tuple[str, int]
                       chosen=True, ranks=ranks)
 
 
+def recorded_threads(recorded: Any) -> int | None:
+    """The thread count a measurement was made with, as a record keeps it (CPUThreads.record()'s dict, or the bare
+    count); None when it is not said or not a count, as in a record from a stranger."""
+    threads = recorded.get("threads") if isinstance(recorded, dict) else recorded
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
+
+
 def _count(n: int, noun: str) -> str:
     return f"no {noun}" if n <= 0 else f"{n} {noun}{'s' if n != 1 else ''}"
 

@@ -269,6 +269,37 @@ def test_preflight_json_says_which_threads_measured_the_step(tmp_path: Path, tin
             if len(os.sched_getaffinity(0)) < (os.cpu_count() or 1) else "")}
 
 
+def test_a_step_measured_with_other_threads_does_not_predict_the_run(tmp_path: Path, tiny_dataset: Path,
+                                                                    cli_in_process, monkeypatch: pytest.MonkeyPatch):
+    # The preflight ran while other work kept a core busy (here: the suite's OMP_NUM_THREADS=1); training then gets
+    # 2 threads. Its prediction is not the 1-thread rate: it says why and what it used instead, and which threads
+    # it is for. `nanopt estimate`, which cannot know training's threads, keeps the measurement.
+    import torch
+
+    from nanopt.config import load_run
+    from nanopt.plan.estimate import EstimateOptions, estimate
+
+    run = tiny_run(tmp_path, tiny_dataset, "measured")
+    measured = cli_in_process("preflight", run, "--steps", "2", "--warmup", "0")
+    assert measured.returncode in (0, 3), measured.stderr[-3000:]
+    config = load_run(run)
+    for threads in (None, 1):
+        assert estimate(config, EstimateOptions(gpu="cpu", cpu_threads=threads))["throughput_source"]["kind"] == \
+            "preflight"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    try:
+        trained = cli_in_process("train", run, "--no-live")
+    finally:
+        torch.set_num_threads(1)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    prediction = json.loads((run / "prediction.json").read_text())
+    assert prediction["device"]["cpu_threads"] == 2 and prediction["throughput"]["source"] == "assumed"
+    why = (f"{run / 'preflight.json'} was measured with 1 CPU thread, this run trains with 2 CPU threads (other work "
+           "kept a different number of cores busy then); throughput assumed at MFU 0.4")
+    assert prediction["throughput"]["note"] == why
+    assert why in " ".join((trained.stdout + trained.stderr).split())
+
+
 @pytest.mark.slow
 def test_a_machine_made_busy_mid_run_is_said_once(tmp_path: Path, tiny_dataset: Path):
     """A training pinned to one CPU with no thread count set; once it has logged for a few seconds, three busy

@@ -70,6 +70,17 @@ def test_estimate_and_the_training_prediction_use_the_plans_rate_while_the_run_i
         assert at_train[key] == pytest.approx(plan["prediction"][key]), key
 
 
+def test_the_plans_rate_predicts_a_training_with_the_threads_it_measured_with_only(planned):
+    # The plan measured with the suite's one thread; a training that gets two is another speed.
+    run, plan, _, _ = planned
+    assert plan["throughput"]["threads"] == 1
+    config = load_run(run)
+    kinds = {threads: predict(config, Hardware("cpu", 1, None, cpu_threads=threads), "nanopt train")["throughput"]
+             for threads in (None, 1, 2)}
+    assert kinds[None]["source"] == kinds[1]["source"] == "plan-measured"
+    assert kinds[2]["source"] == "assumed" and kinds[2]["mfu"] == DEFAULT_MFU
+
+
 def test_a_run_changed_since_the_plan_is_estimated_at_the_assumed_mfu(planned, tmp_path: Path):
     run, _, _, _ = planned
     changed = Path(tmp_path / "changed")

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from nanopt.config import RunConfig
+from nanopt.cpu_threads import recorded_threads
 from nanopt.errors import NanoptError
 from nanopt.hardware import CPU
 from nanopt.parsing import read_json
@@ -23,10 +24,11 @@ PLAN_MAX_BYTES = 1 << 20  # a plan.json is a few kilobytes
 SOURCE = "plan-measured"
 
 
-def planned_mfu(run: RunConfig, key: str, num_gpus: int) -> tuple[float, str] | None:
+def planned_mfu(run: RunConfig, key: str, num_gpus: int, cpu_threads: int | None = None) -> tuple[float, str] | None:
     """(the MFU the plan measured, plan.json's path) when it applies to this estimate (a CPU estimate of the run as
-    planned), else None: a missing, damaged or hand-edited plan.json, or a run changed since, falls back quietly
-    to the assumed MFU, as a run nanopt plan did not write does."""
+    planned, with the torch threads it trains with when they are known), else None: a missing, damaged or
+    hand-edited plan.json, a run changed since, or a measurement with other threads falls back quietly to the
+    assumed MFU, as a run nanopt plan did not write does."""
     path = RunDir(run.run_dir).plan_json
     if key != CPU or num_gpus != 1 or not path.is_file():
         return None
@@ -41,6 +43,9 @@ def planned_mfu(run: RunConfig, key: str, num_gpus: int) -> tuple[float, str] | 
     if not (isinstance(mfu, float) and math.isfinite(mfu) and 0 < mfu <= 1):
         return None
     if changed_setting(throughput.get("fingerprint"), fingerprint(run, 1)) is not None:
+        return None
+    measured_with = recorded_threads(throughput.get("threads"))
+    if None not in (cpu_threads, measured_with) and measured_with != cpu_threads:
         return None
     return mfu, str(path)
 

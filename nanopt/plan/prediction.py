@@ -55,13 +55,14 @@ class Hardware:
     num_gpus: int = 1
     price_per_hour: float | None = None
     mfu: float | None = None  # None: a matching preflight's throughput, else estimate's default MFU
+    cpu_threads: int | None = None  # on a CPU, the torch threads the run trains with; None: not known
 
 
 def predict(run: RunConfig, hardware: Hardware, made_by: str) -> dict[str, Any]:
     """The prediction for `run` on `hardware`, JSON-ready (see the module docstring)."""
     gpus = 1 if is_cpu(hardware.gpu) else hardware.num_gpus  # a CPU's ranks share the one machine
     report = estimate(run, EstimateOptions(gpu=hardware.gpu, num_gpus=gpus, mfu=hardware.mfu,
-                                           price_per_hour=hardware.price_per_hour))
+                                           price_per_hour=hardware.price_per_hour, cpu_threads=hardware.cpu_threads))
     source, measured = report["throughput_source"], _preflight_phases(run, report)
     slowdown = 1.0 if source["kind"] == "preflight" else _slowdown(run, report)
     tokens_per_s = report["tokens_per_second"] / slowdown
@@ -81,7 +82,8 @@ def predict(run: RunConfig, hardware: Hardware, made_by: str) -> dict[str, Any]:
         "version": FORMAT_VERSION, "made_by": made_by,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": {"kind": report["gpu"]["key"], "name": report["gpu"]["name"], "num_gpus": gpus,
-                   "precision": (report["memory_assumptions"] or {}).get("precision")},
+                   "precision": (report["memory_assumptions"] or {}).get("precision"),
+                   "cpu_threads": hardware.cpu_threads if on_cpu else None},
         "throughput": {"source": source["kind"], "mfu": report["gpu"]["mfu"], "slowdown": slowdown,
                        "note": source.get("note")},
         "tokens_per_s": tokens_per_s, "step_s": step_s, "micro_batch_size": run.train.micro_batch_size,
@@ -145,10 +147,14 @@ def record_prediction(run: RunConfig, world_size: int) -> dict[str, Any] | None:
     """Before the first step of a run, its prediction on the device this process trains on, written to
     RUN/prediction.json (replacing one made for an earlier start at step 0: `--resume none`, or `nanopt plan`'s
     device); None, writing nothing, on a GPU the table does not know (no peak, so nothing to predict from)."""
+    import torch
+
     gpu = training_device()
     if gpu is None:
         return None
-    prediction = predict(run, Hardware(gpu, world_size, run.train.price_per_hour), "nanopt train")
+    threads = torch.get_num_threads() if gpu == CPU else None  # as this process chose them (nanopt.cpu_threads)
+    prediction = predict(run, Hardware(gpu, world_size, run.train.price_per_hour, cpu_threads=threads),
+                         "nanopt train")
     save_json(RunDir(run.run_dir).prediction_json, prediction)
     return prediction
 

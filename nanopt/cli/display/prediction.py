@@ -40,10 +40,11 @@ def _recorded(run: Any, world_size: int) -> str:
     if made is None:
         return "no prediction recorded: this GPU is not in nanopt's table, so there is no peak to predict from"
     cost = "" if made["cost_usd"] is None else f", {fmt.money(made['cost_usd'])}"
+    note = made["throughput"]["note"]
     return (f"predicted before the first step ({made['throughput']['source']} throughput): "
             f"{made['tokens_per_s']:,.0f} tokens/s, {made['step_s']:.3g} s a step, "
             f"{fmt.size(made['peak_memory_bytes'])} peak per device, the whole run {fmt.duration(made['total_s'])}"
-            f"{cost} (in {run.run_dir / 'prediction.json'})")
+            f"{cost} (in {run.run_dir / 'prediction.json'})" + (f"; {note}" if note else ""))
 
 
 def prediction_table(c: dict[str, Any]) -> Table:

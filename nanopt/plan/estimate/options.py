@@ -34,6 +34,9 @@ class EstimateOptions:
     flops: float | None = None  # plan from a compute budget: the compute-optimal model and tokens (budget.py)
     family: str | None = None  # with flops and no run directory: the architecture of the model planned
     compare_gpus: bool = False  # also the run on every GPU of the table, each at the rung it needs
+    # On a CPU, the torch threads the run trains with (training's own prediction knows them): a measurement made
+    # with another count does not stand for it. None: any count (`nanopt estimate` cannot know training's).
+    cpu_threads: int | None = None
 
     def validate(self) -> None:
         # Bounds far past any real cluster, device, price or budget: a value beyond one is a typo, and NaN or

@@ -9,6 +9,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.config.seq_stages import stage_tokens
+from nanopt.cpu_threads import recorded_threads
 from nanopt.errors import ConfigError
 from nanopt.hardware import CPU, DEFAULT_GPU, is_cpu, resolve_gpu
 from nanopt.model import flops
@@ -99,12 +100,14 @@ def _throughput_source(run: RunConfig | None,
     opts = replace(opts, gpu=gpu, num_gpus=num_gpus, price_per_hour=price)
     if opts.mfu is not None:  # asked for explicitly: the person's assumption wins over any measurement
         return opts, None, {"kind": "assumed", "mfu": opts.mfu, "note": None}
-    note = _unusable(run, found, problem, key, num_gpus) if run is not None else None
+    note = _unusable(run, found, problem, key, num_gpus, opts.cpu_threads) if run is not None else None
     if found is None or note is not None:
-        planned = planned_mfu(run, key, num_gpus) if run is not None else None
+        planned = planned_mfu(run, key, num_gpus, opts.cpu_threads) if run is not None else None
         if planned is not None:  # a CPU plan's own measurement, the run still as planned
             mfu, path = planned
-            return replace(opts, mfu=mfu), None, {"kind": PLANNED, "mfu": mfu, "path": path, "note": None}
+            note = note and f"{note}; throughput from {path}'s own measurement (MFU {mfu:.1%})"
+            return replace(opts, mfu=mfu), None, {"kind": PLANNED, "mfu": mfu, "path": path, "note": note}
+        note = note and f"{note}; throughput assumed at MFU {DEFAULT_MFU:g}"
         return replace(opts, mfu=DEFAULT_MFU), None, {"kind": "assumed", "mfu": DEFAULT_MFU, "note": note}
     projection = found["projection"]
     outdated = _projection_outdated(run, projection)  # the speed still holds; the whole-run total does not
@@ -139,23 +142,33 @@ def _number(value: Any) -> float | None:
 
 
 def _unusable(run: RunConfig, found: dict[str, Any] | None, problem: str | None, key: str,
-              num_gpus: int) -> str | None:
+              num_gpus: int, cpu_threads: int | None) -> str | None:
     """Why the run's preflight.json cannot stand for this estimate's throughput, as one note; None if it can (or
-    there is none)."""
+    there is none). On a CPU the measurement's torch threads must be the run's (`cpu_threads`, when known): other
+    work that kept a core busy during the preflight and not during training (or the other way) changes the rate
+    far more than any setting."""
     path = RunDir(run.run_dir).preflight_json
     if problem is not None:
-        return f"{path} not used: {problem}; throughput assumed at MFU {DEFAULT_MFU:g}"
+        return f"{path} not used: {problem}"
     if found is None:
         return None
     device = found["device"]
     if device["kind"] != key or device["world_size"] != num_gpus:
         return (f"{path} was measured on {device['world_size']} x {device['name']}, not on this estimate's "
-                f"{num_gpus} x {key}: throughput assumed at MFU {DEFAULT_MFU:g}")
+                f"{num_gpus} x {key}")
     changed = changed_setting(found["fingerprint"], fingerprint(run, num_gpus))
     if changed is not None:
         return (f"{path} is stale ({changed}): run `nanopt preflight {shell_word(run.run_dir)}` again to measure the "
-                f"run as it is; throughput assumed at MFU {DEFAULT_MFU:g}")
+                "run as it is")
+    measured_with = recorded_threads(device.get("cpu_threads"))
+    if key == CPU and None not in (cpu_threads, measured_with) and measured_with != cpu_threads:
+        return (f"{path} was measured with {_threads(measured_with)}, this run trains with {_threads(cpu_threads)} "
+                "(other work kept a different number of cores busy then)")
     return None
+
+
+def _threads(count: int) -> str:
+    return f"{count} CPU thread{'s' if count != 1 else ''}"
 
 
 def _model_section(run: RunConfig | None, opts: EstimateOptions) -> dict[str, Any]:
