@@ -154,6 +154,19 @@ def test_bf16_autocast_chunks_agree_with_the_plain_loss():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-2)
 
 
+def test_bf16_autocast_hands_the_fp32_head_gradient_to_the_weight_unrounded():
+    # The head's d(weight) is summed over the chunks in fp32; it reaches the fp32 weight's .grad as summed, not
+    # rounded to bf16 on the way (an autograd cast of the weight outside the loss would round it: every element
+    # would then be a bf16 value).
+    hidden, weight, targets = problem(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, grad_weight = loss_and_grads(lambda h, w, t: chunked_cross_entropy(h, w, t, 40), hidden, weight,
+                                           targets)
+    assert grad_weight.dtype == torch.float32
+    rounded = grad_weight.bfloat16().float() != grad_weight
+    assert rounded.float().mean() > 0.5, "the head's fp32 weight gradient was rounded to bf16"
+
+
 def test_backward_scales_the_stored_gradients_in_place_and_only_once():
     # Backward of the chunked loss only scales d(hidden) and d(weight), which forward stored: in place, so the
     # loss's backward allocates no second [V, C] fp32 head gradient (1 GiB for a 1B Llama) on top of the first.

@@ -30,6 +30,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     Backward only scales what forward stored: no [rows, vocab] tensor is kept and nothing is recomputed, so the
     FLOPs equal those of a plain full-logits loss while memory holds one chunk of logits.
 
+    `weight` comes in its own dtype (fp32 master weights under autocast) and is cast to the hidden states' dtype for
+    the GEMMs here, so d(weight) reaches the weight in that dtype as it was accumulated: an fp32 weight's gradient
+    is never rounded to bf16 on its way to `.grad`, as it would be through an autograd cast outside.
+
     With `fp8` the three GEMMs run in FP8 (nanopt.model.fp8): e4m3 hidden states and weight in the logits, e5m2
     d(logits) against them in the two gradients; the softmax and the accumulated d(weight) stay fp32.
     """
@@ -38,6 +42,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int, classes: int,
                 fp8: HeadMode | None = None) -> Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype = weight.dtype
+        weight = weight.to(hidden.dtype)  # the GEMMs' operand; the fp32 weight's gradient is returned unrounded
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -55,7 +61,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_weight:
                 accumulate_head_grad(grad_weight, grad_logits.t(), hidden[rows])
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -167,8 +172,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk
     if differentiable and (chunk_rows < rows or fp8 is not None):
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
-            total = _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), targets, chunk_rows,
-                                             classes, fp8)
+            total = _LinearCrossEntropy.apply(hidden.to(dtype), weight, targets, chunk_rows, classes, fp8)
     else:  # evaluation, or logits small enough to keep whole: autograd differentiates F.cross_entropy
         total = hidden.new_zeros((), dtype=torch.float32)
         for begin in range(0, rows, chunk_rows):

@@ -41,8 +41,8 @@ def loss_chunk_row_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, cuda:
 
 
 def loss_buffer_bytes(cfg: ModelConfig, act_bytes: int) -> int:
-    """The fp32 head gradient the loss accumulates in forward and keeps until backward, where it is scaled in place
-    and, under bf16 autocast, the head's bf16 copy (the loss's operand in forward; in backward the gradient's
-    bf16 copy handed to autograd, which casts that to the fp32 .grad) while every activation is still alive."""
+    """The fp32 head gradient the loss accumulates in forward and keeps until backward (where it is scaled in place
+    and handed to the fp32 weight as it is) and, under bf16 autocast, the head's bf16 copy, the loss's operand
+    while its forward runs with every activation still alive."""
     head = cfg.vocab_size * cfg.hidden_size
     return 4 * head + (act_bytes * head if act_bytes < 4 else 0)
