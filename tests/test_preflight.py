@@ -171,6 +171,23 @@ def test_the_projection_is_within_tolerance_of_the_real_run(tmp_path: Path, tiny
         assert RATIO_BOUNDS[0] <= projection / actual <= RATIO_BOUNDS[1], (projected, real.to_dict())
 
 
+def test_without_steps_it_measures_ten_seconds_or_the_whole_run_not_thirty_steps(tmp_path: Path,
+                                                                                    tiny_dataset: Path):
+    # A step of this model is well under the third of a second that would make 30 steps 10 s: the default goes on
+    # until 10 s (here: the run's own 40 steps come first); an exact --steps is kept as given.
+    from nanopt.plan.preflight import steps_to_measure
+    from nanopt.runtime import runtime_on
+
+    run = load_run(small_run(tmp_path, tiny_dataset))
+    default = preflight(run, PreflightOptions(warmup=1))
+    assert default["steps"]["measured"] == 40 == run.total_steps
+    assert preflight(run, PreflightOptions(steps=6, warmup=1))["steps"]["measured"] == 6
+    rt = runtime_on("cpu")
+    assert [steps_to_measure(rt, warmup, 10_000) for warmup in ([], [9.0, 0.5], [0.05], [1e-4])] == \
+        [30, 30, 200, 1000]
+    assert steps_to_measure(rt, [1e-4], 20) == 30  # never fewer than 30
+
+
 # --------------------------------------------------------------------------------------------------- estimate
 
 

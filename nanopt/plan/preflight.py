@@ -39,13 +39,19 @@ from nanopt.plan.preflight_report import Measured, build_report
 from nanopt.rundir import RunDir
 
 MAX_PREFLIGHT_STEPS = 10_000  # a preflight of more steps is a typo: it would be the run itself
+# Without --steps: at least DEFAULT_STEPS measured steps and at least MIN_MEASURED_S of them (at most
+# MAX_DEFAULT_STEPS). Thirty steps of a small model on a CPU are 2-5 s, which sample a shared machine's moment: on
+# the project's 2-core machine 20-step windows of one run moved by 10-25%.
+DEFAULT_STEPS = 30
+MIN_MEASURED_S = 10.0
+MAX_DEFAULT_STEPS = 1000
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): setup, warmup, steps, evaluation, checkpoint
 
 
 @dataclass(frozen=True)
 class PreflightOptions:
-    steps: int = 30  # measured optimizer steps
+    steps: int | None = None  # measured optimizer steps; None: DEFAULT_STEPS, more to fill MIN_MEASURED_S
     warmup: int = 3  # steps run first and not measured (torch.compile's first step among them)
     find_batch: bool = False  # the micro-batch `nanopt find-batch` picks instead of train.json's
     max_memory: int | None = None  # with find_batch on a CPU: the peak resident memory a trial may reach
@@ -158,16 +164,19 @@ def _synchronize(rt: Any) -> None:
 
 
 def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progress: Progress) -> None:
-    """`warmup` then `steps` optimizer steps, each timed; the memory peak after the first quarter of the measured
-    steps and at the end. A run that diverges (too many non-finite steps in a row) stops there and says so."""
+    """`warmup` then `steps` optimizer steps (or steps_to_measure's), each timed; the memory peak after the first
+    quarter of the measured steps and at the end. A run that diverges (too many non-finite steps in a row) stops there and says so."""
     from nanopt.train.optim.schedule import scheduled_lr
     from nanopt.train.step import TrainingDiverged, step
 
     memory, loader = session.memory, session.loader
-    early_mark = max(1, opts.steps // 4)
-    for index in range(opts.warmup + opts.steps):
+    to_measure = early_mark = 0  # decided when the warmup has ended
+    index = 0
+    while index <= opts.warmup or len(measured.step_s) < to_measure:
         warming = index < opts.warmup
         if index == opts.warmup:  # the peak so far holds setup's own (imports, building the model)
+            to_measure = opts.steps or steps_to_measure(session.rt, measured.warmup_s, session.total_steps)
+            early_mark = max(1, to_measure // 4)
             measured.peak_bytes = memory.peak()
             memory.reset()
             _collect_garbage()
@@ -190,13 +199,24 @@ def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progres
             measured.lrs.append(lr)
             if len(measured.step_s) == early_mark:
                 measured.early_peak_bytes = memory.peak()
-            progress("steps", len(measured.step_s), opts.steps)
+            progress("steps", len(measured.step_s), to_measure)
         if measured.diverged:
             break
+        index += 1
     measured.end_peak_bytes = memory.peak()
     measured.peak_bytes = max(measured.peak_bytes, measured.end_peak_bytes)
     measured.skipped_steps = session.state.skipped_steps
     measured.chance_loss = math.log(session.dataset.id_limit)  # the padded vocabulary rows are never a class
+
+
+def steps_to_measure(rt: Any, warmup_s: list[float], run_steps: int) -> int:
+    """How many steps fill MIN_MEASURED_S at the last warmup step's pace: DEFAULT_STEPS at least, and no more than
+    MAX_DEFAULT_STEPS or the run's own steps (DEFAULT_STEPS without a warmup to go by). The most any rank needs, so
+    every rank runs the same steps."""
+    from nanopt.runtime import all_reduce_max
+
+    wanted = DEFAULT_STEPS if not warmup_s else math.ceil(MIN_MEASURED_S / max(warmup_s[-1], 1e-6))
+    return int(all_reduce_max(rt, max(DEFAULT_STEPS, min(wanted, MAX_DEFAULT_STEPS, run_steps))))
 
 
 def _measure_eval_and_checkpoint(session: Any, measured: Measured, progress: Progress) -> None:

@@ -31,7 +31,7 @@ check passed, 3 when one failed (each is listed), 2 for a mistake to fix; so
 """
 
 EXAMPLES = """
-nanopt preflight runs/demo                                  # CPU: 3 + 30 steps, 2 evaluations, 1 checkpoint
+nanopt preflight runs/demo                                  # CPU: 3 + 10 s of steps, 2 evaluations, 1 checkpoint
 nanopt preflight runs/gpt2-small --price-per-hour 2.49      # your provider's price per GPU-hour
 nanopt preflight runs/gpt2-small --find-batch               # the micro-batch find-batch picks, then measure it
 nanopt preflight runs/demo --find-batch --max-memory 2GiB   # CPU: bound find-batch's trials
@@ -47,7 +47,8 @@ MICRO_BATCH = "Micro-batch search"
 def preflight_command(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory with model.json and train.json."),
-    steps: int = typer.Option(30, "--steps", metavar="N", help="Optimizer steps measured, after --warmup."),
+    steps: int | None = typer.Option(None, "--steps", metavar="N", help="Optimizer steps measured, after --warmup "
+                                     "(default: 30, or more to fill 10 s, up to the run's own steps or 1,000)."),
     warmup: int = typer.Option(3, "--warmup", metavar="N", help="Steps run first and not measured: the optimizer "
                                "state and torch.compile's first step (counted as setup when compiled)."),
     price_per_hour: float | None = typer.Option(None, "--price-per-hour", metavar="USD", help="USD per GPU-hour for "
