@@ -165,7 +165,8 @@ def _synchronize(rt: Any) -> None:
 
 def _run_steps(session: Any, opts: PreflightOptions, measured: Measured, progress: Progress) -> None:
     """`warmup` then `steps` optimizer steps (or steps_to_measure's), each timed; the memory peak after the first
-    quarter of the measured steps and at the end. A run that diverges (too many non-finite steps in a row) stops there and says so."""
+    quarter of the measured steps and at the end. A run that diverges (too many non-finite steps in a row) stops
+    there and says so."""
     from nanopt.train.optim.schedule import scheduled_lr
     from nanopt.train.step import TrainingDiverged, step
 
