@@ -30,6 +30,10 @@ LOSS_NOISE_Z = 2.0
 # Memory: the peak at the end of the measured steps may exceed the peak after their first quarter by this much (the
 # optimizer state exists from the first step on, so a growing peak is a leak, or fragmentation that will OOM later).
 MEMORY_GROWTH_LIMIT = 0.05
+# On a CPU the peak is the process's resident memory, which the C allocator moves by tens of MiB from step to step
+# with no leak (0 to 36 MiB over 60 steps of a 0.3M-parameter model at ~680 MiB on the project's machine): growth up
+# to this much passes whatever its share.
+CPU_RESIDENT_SLACK_BYTES = 64 << 20
 # The loader: waiting for data past this share of the step time is throughput lost to input.
 LOADER_WAIT_LIMIT = 0.05
 
@@ -83,7 +87,7 @@ def build_report(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measu
     tokens_per_s = run.train.global_batch_tokens / step_s
     throughput = _throughput(run, rt, tokens_per_s)
     projection = _projection(run, rt, price_per_hour, m, step_s)
-    checks = _checks(m)
+    checks = _checks(m, on_cpu=rt.device.type == "cpu")
     now = time.time()
     report = {
         "version": FORMAT_VERSION,
@@ -207,8 +211,9 @@ def _estimate_comparison(run: RunConfig, device: dict[str, Any], projection: dic
 # ---------------------------------------------------------------------------------------------- the checks
 
 
-def _checks(m: Measured) -> dict[str, dict[str, Any]]:
-    return {"loss_falls": _loss_check(m), "memory_flat": _memory_check(m), "loader_wait_small": _loader_check(m)}
+def _checks(m: Measured, on_cpu: bool) -> dict[str, dict[str, Any]]:
+    return {"loss_falls": _loss_check(m), "memory_flat": _memory_check(m, on_cpu),
+            "loader_wait_small": _loader_check(m)}
 
 
 def _loss_check(m: Measured) -> dict[str, Any]:
@@ -240,11 +245,14 @@ def _variance(values: list[float]) -> float:
     return statistics.variance(values) if len(values) > 1 else 0.0
 
 
-def _memory_check(m: Measured) -> dict[str, Any]:
+def _memory_check(m: Measured, on_cpu: bool) -> dict[str, Any]:
     growth = m.memory_growth
+    slack = CPU_RESIDENT_SLACK_BYTES if on_cpu else 0
+    limit = f"limit +{100 * MEMORY_GROWTH_LIMIT:.0f}%" + (f" or +{_mib(slack)}" if slack else "")
     detail = (f"peak {_mib(m.early_peak_bytes)} after the first quarter of the measured steps, {_mib(m.end_peak_bytes)}"
-              f" at the end ({100 * growth:+.1f}%, limit +{100 * MEMORY_GROWTH_LIMIT:.0f}%)")
-    return {"ok": growth <= MEMORY_GROWTH_LIMIT, "detail": detail}
+              f" at the end ({100 * growth:+.1f}%, {limit})")
+    ok = growth <= MEMORY_GROWTH_LIMIT or m.end_peak_bytes - m.early_peak_bytes <= slack
+    return {"ok": ok, "detail": detail}
 
 
 def _mib(n: int) -> str:
