@@ -148,7 +148,7 @@ def printed_rows(text: str, header: str) -> list[list[str]]:
 def test_a_small_run_compared_shows_each_cost_and_piped_tables_are_whole(cli_in_process,
                                                                          monkeypatch: pytest.MonkeyPatch):
     """The demo trains in well under a second on any card: its time and cost still read (not 0.0s and $0.0000),
-    cheapest first; and at a pipe's 80 columns no table cuts a cell short."""
+    cheapest first; and in a terminal of 80 columns no table cuts a cell short."""
     monkeypatch.setenv("COLUMNS", "80")
     result = cli_in_process("estimate", RUNS / "demo", "--gpu", "h100-sxm", "--compare-gpus")
     assert result.returncode == 0, result.stderr

@@ -9,10 +9,14 @@ markup; this console is the net under all of it:
 - a value that still reaches markup unescaped and is not valid markup (a closing tag such as `[/x]` in a
   directory name) is printed as it is, instead of a MarkupError traceback;
 - no emoji codes: `:smile:` in a value stays text.
+
+Its width is the terminal's, or COLUMNS; with neither (output to a log file or a pipe, as under nohup, SLURM or CI)
+PIPED_WIDTH rather than rich's 80, which would wrap every wide table of a training log.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,9 +28,14 @@ from rich.text import Text
 from nanopt.untrusted_text import printable
 
 
+PIPED_WIDTH = 160  # columns when no terminal tells the width and COLUMNS is unset
+
+
 class SafeConsole(Console):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**{"highlight": False, "emoji": False, **kwargs})
+        if "width" not in kwargs and not os.environ.get("COLUMNS", "").strip().isdigit() and not _terminal_width():
+            self.width = PIPED_WIDTH
 
     def render_str(self, text: str, **kwargs: Any) -> Text:
         # Escaped before rich's own clean-up, which drops some control characters silently (BEL, CR) and keeps ESC.
@@ -43,3 +52,14 @@ class SafeConsole(Console):
         return super()._render_buffer(
             segment if segment.control else Segment(printable(segment.text, lines=True), segment.style)
             for segment in buffer)
+
+
+def _terminal_width() -> bool:
+    """Whether a terminal gives rich its width: one of the standard streams is a terminal, as rich looks for."""
+    for descriptor in (0, 1, 2):
+        try:
+            os.get_terminal_size(descriptor)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False

@@ -282,7 +282,7 @@ def _render_comparison(rows: list[dict[str, Any]], notes: list[str]) -> None:
 
     out = console()
     # What is compared first, then what it took. Perplexity is left out: it is exp(test loss), in the JSON. "batch" is
-    # the global batch in tokens. A narrow terminal or a pipe (80 columns) gets the columns over several tables, each
+    # the global batch in tokens. A narrow terminal (80 columns) gets the columns over several tables, each
     # with the rank: no number is cut short, and --json has everything.
     headers = ["#", "run", "test loss", "bits/byte", "step", "params", "tokens", "batch", "wall time",
                device_hours_label(rows), "cost", "w/o eval"]

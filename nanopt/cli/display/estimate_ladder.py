@@ -28,7 +28,7 @@ def print_ladder(ladder: dict[str, Any]) -> None:
                         "fastest first", title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 1, 0, 0), caption=escape(ladder["assumptions"]))
     for header in ("rung", "per GPU", "host per GPU", "micro-batch", "slowdown", "fits"):
-        # The rung's name wraps where the width is short (a pipe's 80 columns): a cut number reads as another one.
+        # The rung's name wraps where the width is short (a terminal of 80 columns): a cut number reads as another one.
         table.add_column(header, justify="left" if header == "rung" else "right", no_wrap=header != "rung")
     recommended = ladder["recommended"]
     for row in ladder["rows"]:

@@ -93,7 +93,7 @@ def ratio(x: float) -> str:
 
 def fits(out: Console, renderable: RenderableType) -> bool:
     """Whether `renderable` shows at its natural width, nothing wrapped or cut short, in `out`'s width (a terminal's
-    own, COLUMNS, or 80 columns when the output is a pipe or a file)."""
+    own, COLUMNS, or nanopt.cli.terminal.PIPED_WIDTH when the output is a pipe or a file)."""
     # Measured as if there were room (a measurement is otherwise capped at the width it is asked about).
     unbounded = out.options.update_width(1 << 20)
     return Measurement.get(out, unbounded, renderable).maximum <= out.width
