@@ -18,8 +18,8 @@ from clihelp import REPO, assert_user_error
 from faulthelp import Launcher, tiny_run
 
 from nanopt.cli import app
-from nanopt.cli.terminal import PIPED_WIDTH
 from nanopt.cli.display.format import money
+from nanopt.cli.terminal import PIPED_WIDTH
 from nanopt.config import load_run
 
 # ------------------------------------------------------------------------------------------- the comparison

@@ -27,7 +27,6 @@ from rich.text import Text
 
 from nanopt.untrusted_text import printable
 
-
 PIPED_WIDTH = 160  # columns when no terminal tells the width and COLUMNS is unset
 
 
