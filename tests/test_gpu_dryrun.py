@@ -158,6 +158,7 @@ def _dead(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow  # the GPU window's harness, not a command: CI's slow set runs it
 def test_a_step_over_its_budget_is_killed_with_what_it_started_recorded_and_the_next_runs(tmp_path: Path):
     argv, out = _harness(tmp_path, "steps")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -183,6 +184,7 @@ def test_a_failed_preflight_stops_the_call(tmp_path: Path):
     assert ("step:memory", "skipped: preflight failed") in statuses
 
 
+@pytest.mark.slow  # the GPU window's harness, not a command: CI's slow set runs it
 def test_the_calls_timeout_kills_the_step_and_still_prints_records_and_the_summary(tmp_path: Path):
     argv, out = _harness(tmp_path, "main")
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -227,6 +229,7 @@ print("no CUDA call")
 """
 
 
+@pytest.mark.slow  # the GPU window's harness, not a command: CI's slow set runs it
 def test_the_parent_and_the_test_launcher_import_everything_without_touching_cuda():
     done = subprocess.run([sys.executable, "-c", FORK_PROBE, str(REPO / "bench"), str(REPO), str(REPO / "tests")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})

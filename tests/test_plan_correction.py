@@ -37,13 +37,17 @@ def _plan(root: Path, dataset: Path, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def corrected(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path):
-    """A planned run before and after `nanopt preflight`: (run, train.json before, what preflight printed)."""
-    run = _plan(tmp_path_factory.mktemp("corrected"), tiny_dataset, "run")
-    before = json.loads((run / "train.json").read_text())
-    result = run_cli("preflight", run, *SHORT, env=HIDE_CUDA)
-    assert result.returncode in MEASURED, result.stderr
-    return run, before, result.stdout
+def corrected(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: Path, launcher):
+    """A planned run before and after `nanopt preflight` (forked from the warm launcher: no import of torch per
+    command): (run, train.json before, what preflight printed)."""
+    out = tmp_path_factory.mktemp("corrected") / "run"
+    made = launcher.run("plan", "--budget", f"{BUDGET_S:g}s", "--gpu", "cpu", "--data", tiny_dataset, "--out", out,
+                        "--max-epochs", "1e6", "--mfu", "0.4")
+    assert made.status == 0, made.stderr
+    before = json.loads((out / "train.json").read_text())
+    result = launcher.run("preflight", out, *SHORT)
+    assert result.status in MEASURED, result.stderr
+    return out, before, result.stdout
 
 
 def test_the_steps_fill_the_budget_at_the_measured_rate(corrected):
@@ -96,11 +100,11 @@ def test_a_run_that_started_or_was_changed_with_set_is_not_rewritten(tmp_path: P
         assert (run / "train.json").read_bytes() == planned, flags
 
 
-def test_a_run_nobody_planned_is_left_alone(tmp_path: Path, tiny_dataset: Path):
+def test_a_run_nobody_planned_is_left_alone(tmp_path: Path, tiny_dataset: Path, cli_in_process):
     run = make_run(tmp_path, tiny_dataset, max_steps=8, eval_interval=4, micro_batch_size=8, global_batch_tokens=1024,
                    model={"hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 128})
     written = (run / "train.json").read_bytes()
-    result = run_cli("preflight", run, *SHORT, "--json", env=HIDE_CUDA)
+    result = cli_in_process("preflight", run, *SHORT, "--json")
     assert result.returncode in MEASURED, result.stderr
     assert "plan_correction" not in json.loads(result.stdout)
     assert (run / "train.json").read_bytes() == written and not (run / "plan.json").exists()

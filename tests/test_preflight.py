@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from clihelp import assert_user_error
-from faulthelp import tree_digest
+from faulthelp import tiny_run, tree_digest
 from trainhelp import make_run
 
 from nanopt.cli.display import format as fmt
@@ -173,12 +173,12 @@ def test_the_projection_is_within_tolerance_of_the_real_run(tmp_path: Path, tiny
 
 def test_without_steps_it_measures_ten_seconds_or_the_whole_run_not_thirty_steps(tmp_path: Path,
                                                                                     tiny_dataset: Path):
-    # A step of this model is well under the third of a second that would make 30 steps 10 s: the default goes on
+    # A step of this tiny model is well under the third of a second that would make 30 steps 10 s: the default goes on
     # until 10 s (here: the run's own 40 steps come first); an exact --steps is kept as given.
     from nanopt.plan.preflight import steps_to_measure
     from nanopt.runtime import runtime_on
 
-    run = load_run(small_run(tmp_path, tiny_dataset))
+    run = load_run(tiny_run(tmp_path, tiny_dataset, "run", eval_interval=0, checkpoint_interval=0))
     default = preflight(run, PreflightOptions(warmup=1))
     assert default["steps"]["measured"] == 40 == run.total_steps
     assert preflight(run, PreflightOptions(steps=6, warmup=1))["steps"]["measured"] == 6
