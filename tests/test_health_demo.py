@@ -27,9 +27,10 @@ def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def demo(root: Path, data: Path, steps: int, log_interval: int = 1, diverges: bool = False, **train: object) -> Path:
+def demo(root: Path, data: Path, steps: int, log_interval: int = 1, diverges: bool | None = False,
+         **train: object) -> Path:
     """runs/demo as shipped, for `steps` steps, logging every `log_interval`, trained on the CPU (to the end, or
-    until it `diverges`)."""
+    until it `diverges`; None: either, as the machine's arithmetic decides)."""
     run = root / f"demo-{steps}-every-{log_interval}-{'-'.join(map(str, train.values()))}"
     run.mkdir(parents=True)
     config = json.loads((DEMO / "train.json").read_text())
@@ -38,7 +39,10 @@ def demo(root: Path, data: Path, steps: int, log_interval: int = 1, diverges: bo
     (run / "model.json").write_text((DEMO / "model.json").read_text())
     (run / "train.json").write_text(json.dumps(config))
     result = run_cli("train", run, "--no-live", timeout=3000, env=HIDE_CUDA)
-    assert (result.returncode != 0) == diverges, result.stderr
+    if diverges is None:  # stopped, if at all, by the divergence guard: never a crash
+        assert result.returncode == 0 or "training diverged" in result.stderr, result.stderr[-3000:]
+    else:
+        assert (result.returncode != 0) == diverges, result.stderr
     (run / "stderr.txt").write_text(result.stderr)
     return run
 
@@ -88,12 +92,19 @@ def test_the_demo_logged_seldom_records_the_same_blocks(tmp_path: Path, stdlib: 
     assert_no_verdict(run)
 
 
-@pytest.mark.parametrize(("learning_rate", "expected"), [(1e-7, ["plateau", "stagnating_updates"]),
-                                                         (5.0, ["exploding_gradients"])])
+# At 5 the explosion is said first; a run the guard did not stop may add that its loss then stalled far up.
+@pytest.mark.parametrize(("learning_rate", "expected", "also"), [(1e-7, ["plateau", "stagnating_updates"], []),
+                                                                 (5.0, ["exploding_gradients"], ["plateau"])])
 def test_the_demo_at_a_learning_rate_far_off_reaches_its_verdict(tmp_path: Path, stdlib: Path,
-                                                                 learning_rate: float, expected: list[str]):
-    """At 5 the norm overflows near step 65 and the run stops (recovery off): the verdict comes before."""
-    run = demo(tmp_path, stdlib, 150, diverges=learning_rate > 1, learning_rate=learning_rate, recovery=False)
-    assert sorted(name for name, _, _ in verdicts(run)) == expected
+                                                                 learning_rate: float, expected: list[str],
+                                                                 also: list[str]):
+    """At 5 the verdict comes within the first steps, whether or not the norm later overflows and stops the run
+    (recovery off): on AVX-512 cores it overflowed near step 65; on AVX2 cores the loss peaked near 155, came back
+    to 8 and stalled there, and the run finished."""
+    run = demo(tmp_path, stdlib, 150, diverges=None if learning_rate > 1 else False, learning_rate=learning_rate,
+               recovery=False)
+    said = [name for name, _, _ in sorted(verdicts(run), key=lambda verdict: verdict[1])]
+    assert said[:len(expected)] == expected or sorted(said) == expected, said
+    assert set(said) - set(expected) <= set(also), said
     replayed = run_cli("eval", run, "--health", "--json", timeout=600)
-    assert sorted(v["name"] for v in json.loads(replayed.stdout)["verdicts"]) == expected
+    assert sorted(v["name"] for v in json.loads(replayed.stdout)["verdicts"]) == sorted(said)
