@@ -144,6 +144,14 @@ def recorded_threads(recorded: Any) -> int | None:
     return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
 
 
+def other_threads(recorded: Any, threads: int | None) -> int | None:
+    """The thread count a measurement was made with (as recorded_threads reads it) when it differs from `threads`,
+    the count of the process it would stand for: such a measurement does not. None when they agree or either is
+    not known."""
+    measured_with = recorded_threads(recorded)
+    return measured_with if None not in (threads, measured_with) and measured_with != threads else None
+
+
 def _count(n: int, noun: str) -> str:
     return f"no {noun}" if n <= 0 else f"{n} {noun}{'s' if n != 1 else ''}"
 

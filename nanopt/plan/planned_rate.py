@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from nanopt.config import RunConfig
-from nanopt.cpu_threads import recorded_threads
+from nanopt.cpu_threads import other_threads
 from nanopt.errors import NanoptError
 from nanopt.hardware import CPU
 from nanopt.parsing import read_json
@@ -44,8 +44,7 @@ def planned_mfu(run: RunConfig, key: str, num_gpus: int, cpu_threads: int | None
         return None
     if changed_setting(throughput.get("fingerprint"), fingerprint(run, 1)) is not None:
         return None
-    measured_with = recorded_threads(throughput.get("threads"))
-    if None not in (cpu_threads, measured_with) and measured_with != cpu_threads:
+    if other_threads(throughput.get("threads"), cpu_threads) is not None:
         return None
     return mfu, str(path)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from nanopt.config import RunConfig
 from nanopt.config.seq_stages import stage_tokens
-from nanopt.cpu_threads import recorded_threads
+from nanopt.cpu_threads import other_threads
 from nanopt.errors import ConfigError
 from nanopt.hardware import CPU, DEFAULT_GPU, is_cpu, resolve_gpu
 from nanopt.model import flops
@@ -160,8 +160,8 @@ def _unusable(run: RunConfig, found: dict[str, Any] | None, problem: str | None,
     if changed is not None:
         return (f"{path} is stale ({changed}): run `nanopt preflight {shell_word(run.run_dir)}` again to measure the "
                 "run as it is")
-    measured_with = recorded_threads(device.get("cpu_threads"))
-    if key == CPU and None not in (cpu_threads, measured_with) and measured_with != cpu_threads:
+    measured_with = other_threads(device.get("cpu_threads"), cpu_threads)
+    if key == CPU and measured_with is not None:
         return (f"{path} was measured with {_threads(measured_with)}, this run trains with {_threads(cpu_threads)} "
                 "(other work kept a different number of cores busy then)")
     return None
