@@ -49,7 +49,9 @@ def test_the_plan_is_made_at_the_mfu_it_measured_here(planned):
     run, plan, _, _ = planned
     throughput, config = plan["throughput"], load_run(run)
     assert throughput["source"] == "measured" and 1 <= throughput["measurements"] <= 3
-    assert 0 < throughput["mfu"] <= 1 and throughput["steps"] >= 5 and throughput["step_s"] > 0
+    assert 0 < throughput["mfu"] <= 1 and throughput["step_s"] > 0
+    # At least 6 s of steps after the warmup (docs/budget.md): a shared machine's rate dips for a second or two.
+    assert throughput["steps"] >= 2 and throughput["steps"] * throughput["step_s"] >= 6.0
     assert plan["device"]["mfu"] == throughput["mfu"] != DEFAULT_MFU
     # The budget's steps are bought at the measured rate: the compute is the budget's time at peak x that MFU...
     rate = cpu_peak().flops * throughput["mfu"]

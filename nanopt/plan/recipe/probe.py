@@ -5,29 +5,30 @@ run as planned, on its dataset, with the threads `nanopt train` would choose; of
 Why measure: on a CPU no one MFU fits. The step's efficiency swings with the model's width (a 128-wide model's
 GEMMs run far closer to the peak than a 64-wide one's) and with the clock the cores really run at, which the counted
 peak cannot know; the assumed MFU left runs planned for 2, 5 and 10 minutes taking 0.82, 0.77 and 0.59 of their
-predicted time (bench/RESULTS.md). A few steps cost a second or two; on a GPU the plan is usually made elsewhere
-than the run, and the assumed MFU stands until `nanopt preflight`.
+predicted time (bench/RESULTS.md). Each measurement costs some seven seconds; on a GPU the plan is usually made
+elsewhere than the run, and the assumed MFU stands until `nanopt preflight`.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from nanopt.config import RunConfig
 
-STEPS = 6  # the first is not timed: allocations and first touches
-MIN_TIMED_S = 2.0  # time at least this many seconds of steps: a short step is timed over more of them (a
-# shared machine's rate drifts by 10% from one second to the next)
-MAX_STEPS = 40
+WARMUP = 3  # steps run first and not timed (allocations, first touches, the thread pool's start)...
+WARMUP_S = 1.0  # ...or fewer where they take this long: the first step at least
+MIN_TIMED_S = 6.0  # time at least this many seconds of steps: a shared machine's rate dips by a quarter for a second
+# or two (a 2-s measurement once planned at 31k tokens/s a run that held 42k, bench/RESULTS.md); the preflight
+# measures 10 s, the plan up to MAX_PROBES times and so a little less
 # A large plan's step (a budget of CPU-days: a micro-batch of seconds, dozens of them a step) is not timed whole: the
 # measurement runs steps of at most two micro-batches (as find-batch's trials do) of at most the sequences that
 # take about MICRO_BATCH_S at the assumed MFU, and stops after MAX_S once MIN_TIMED steps are timed.
 MICRO_BATCH_S = 1.0
 MAX_S = 20.0
 MIN_TIMED = 2
+MAX_STEPS = 1000  # or the run's own steps, if fewer: the run takes no more
 
 
 @dataclass(frozen=True)
@@ -52,19 +53,14 @@ def measure_cpu_step(run: RunConfig, assumed_flops_per_s: float) -> Probe:
     from nanopt.devices import device_name
     from nanopt.runtime import runtime_on
     from nanopt.train.session import build_session
-    from nanopt.train.step import step
 
     rt = runtime_on("cpu")  # the threads `nanopt train` would choose, said in rt.cpu_threads
     measured = measured_run(run, assumed_flops_per_s)
     session = build_session(measured, rt, writes=False)
-    times: list[float] = []
-    while _more(times):
-        started = time.perf_counter()
-        step(session)
-        times.append(time.perf_counter() - started)
+    timed = _timed_steps(session)
     del session
-    step_s = statistics.median(times[1:])
-    return Probe(tokens_per_s=measured.train.global_batch_tokens / step_s, step_s=step_s, steps=len(times) - 1,
+    step_s = sum(timed) / len(timed)  # the mean, as a run's time is: its slow steps count
+    return Probe(tokens_per_s=measured.train.global_batch_tokens / step_s, step_s=step_s, steps=len(timed),
                  threads=rt.cpu_threads.threads if rt.cpu_threads else None, device_name=device_name(rt.device))
 
 
@@ -80,11 +76,26 @@ def measured_run(run: RunConfig, assumed_flops_per_s: float) -> RunConfig:
     return trial_run(run, micro, 1)
 
 
-def _more(times: list[float]) -> bool:
-    timed = times[1:]
-    if len(timed) >= MIN_TIMED and sum(times) >= MAX_S:
-        return False
-    return len(times) < MAX_STEPS and (len(times) < STEPS or sum(timed) < MIN_TIMED_S)
+def _timed_steps(session: Any) -> list[float]:
+    """The seconds of each step after the warmup: MIN_TIMED_S of them, or (a large plan's long steps) as many as MAX_S
+    in all allows, MIN_TIMED at least; never more steps than MAX_STEPS or the run's."""
+    from nanopt.train.step import step
+
+    most = max(WARMUP + MIN_TIMED, min(MAX_STEPS, session.total_steps))
+    times: list[float] = []
+    warmup = 0  # steps not timed, known once the warmup has ended
+    while True:
+        started = time.perf_counter()
+        step(session)
+        times.append(time.perf_counter() - started)
+        if not warmup:
+            if len(times) >= WARMUP or sum(times) >= WARMUP_S:
+                warmup = len(times)
+            continue
+        timed = times[warmup:]
+        enough = sum(timed) >= MIN_TIMED_S or sum(times) >= MAX_S or len(times) >= most
+        if len(timed) >= MIN_TIMED and enough:
+            return timed
 
 
 def probe_record(probe: Probe, mfu: float) -> dict[str, Any]:
