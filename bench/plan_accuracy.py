@@ -1,6 +1,6 @@
 """How honest `nanopt plan` is on this machine: for each budget, plan a run on the CPU, preflight it (which corrects
 the plan to the measured rate), train it to the end with no edit, and put the measured training time and cost
-beside two predictions for the run as it trained:
+beside two predictions for the run as it trained, and the rate a second preflight measures once it has ended:
 
 - corrected: the prediction `nanopt train` wrote before its first step (RUN/prediction.json), made from the
   preflight's measurement (the issue's target: within 10%);
@@ -80,7 +80,18 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
                         "total_ratio": got["total_s"] / predicted["total_s"],
                         "cost_ratio": got["cost_usd"] / predicted["cost_usd"] if predicted["cost_usd"] else None}
     record["measured"] = {key: got[key] for key in ("tokens_per_s", "train_s", "total_s", "cost_usd")}
+    record["preflight_after"] = preflight_after(run)
     return record
+
+
+def preflight_after(run: Path) -> dict[str, Any]:
+    """The same preflight again, the moment training has ended: the control for a miss. Near the training's rate
+    while the preflight before it was not, the machine's rate moved between the two (a shared machine's does); near
+    the first preflight's while the training was not, something in training that a preflight does not run slowed
+    it."""
+    nanopt("preflight", str(run), "--no-correct-plan", allowed=(0, 3))
+    after = json.loads((run / "preflight.json").read_text())
+    return {"tokens_per_s": after["tokens_per_s"], "threads": after["device"].get("cpu_threads", {}).get("threads")}
 
 
 def threads_used(run: Path, prediction: dict[str, Any]) -> dict[str, int | None]:
@@ -112,12 +123,16 @@ def commit() -> str:
 
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| budget | model | steps | measured time | corrected: predicted, measured / predicted | "
-             "uncorrected: predicted, measured / predicted | measured cost |", "|---|---|---|---|---|---|---|"]
+             "uncorrected: predicted, measured / predicted | measured cost | tokens/s: plan, preflight, training, "
+             "preflight after |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         m, c, u = r["measured"], r["corrected"], r["uncorrected"]
+        after = r.get("preflight_after", {}).get("tokens_per_s")
+        rates = ", ".join(f"{rate / 1000:.1f}k" if rate else "-" for rate in
+                          (u["tokens_per_s"], c["tokens_per_s"], m["tokens_per_s"], after))
         lines.append(f"| {r['budget']} | {r.get('model', '?')} | {r['steps']} | {m['total_s']:.1f} s | "
                      f"{c['total_s']:.1f} s, {c['total_ratio']:.3f} | {u['total_s']:.1f} s, {u['total_ratio']:.3f} | "
-                     f"${m['cost_usd']:.5f} |")
+                     f"${m['cost_usd']:.5f} | {rates} |")
     return "\n".join(lines)
 
 
