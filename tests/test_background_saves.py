@@ -53,6 +53,22 @@ def test_checkpoint_async_false_makes_every_save_wait_for_its_files(tmp_path: Pa
     saves = [r for r in records if r.get("event") == "checkpoint"]
     assert [r["step"] for r in saves] == [2, 4]
     assert all(r["blocked_s"] == r["write_s"] > 0 for r in saves), saves
+    # One process's writer thread says the CPU it used: some, and no more than the save's wall time.
+    assert all(0 < r["writer_cpu_s"] <= r["write_s"] for r in saves), saves
+
+
+def test_on_a_cpu_a_background_writes_cpu_time_is_charged_to_checkpoints_not_steps(tmp_path: Path,
+                                                                                   tiny_dataset: Path, cli_in_process):
+    """The writer thread runs on the cores the steps use, so its CPU seconds are time the steps lost to
+    checkpoints: the session's checkpoint phase holds them as well as the time each save blocked."""
+    run = make_run(tmp_path, tiny_dataset, "charged", model=TINY_MODEL, **TRAIN)
+    result = cli_in_process("train", run, "--no-live")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    assert len(saves) == TRAIN["max_steps"] and all(r["writer_cpu_s"] > 0 for r in saves), saves
+    charged = [r for r in records if r.get("kind") == "phases"][-1]["seconds"]["checkpoint"]
+    assert charged >= sum(r["blocked_s"] + r["writer_cpu_s"] for r in saves) - 1e-3, (charged, saves)
 
 
 def test_a_torch_whose_stager_closes_itself_after_each_save_still_saves_every_checkpoint(

@@ -66,6 +66,9 @@ def test_preflight_writes_preflight_json_and_nothing_else(tmp_path: Path, tiny_d
     assert report["ok"] and report["failed"] == [] and set(report["checks"]) == {"loss_falls", "memory_flat",
                                                                                   "loader_wait_small"}
     assert report["eval_s"] > 0 and report["checkpoint_s"] > 0 and report["setup_s"] > 0
+    # On a CPU a checkpoint costs the steps its blocking and its background writing, which runs on their cores.
+    assert report["checkpoint_blocked_s"] > 0 and report["checkpoint_writer_cpu_s"] > 0
+    assert math.isclose(report["checkpoint_s"], report["checkpoint_blocked_s"] + report["checkpoint_writer_cpu_s"])
     # The projection is the measured durations times the run's steps, evaluations and checkpoints (40 steps,
     # evaluations at 20 and 40, a checkpoint every 2 steps); no price on a CPU unless one is given.
     p = report["projection"]

@@ -231,7 +231,7 @@ def _measure_eval_and_checkpoint(session: Any, measured: Measured, progress: Pro
         measured.eval_s = _time_evaluation(session)
     progress("checkpoint", 0, 1)
     _collect_garbage()
-    measured.checkpoint_s = _time_checkpoint(session)
+    measured.checkpoint_blocked_s, measured.checkpoint_writer_cpu_s = _time_checkpoint(session)
 
 
 def _collect_garbage() -> None:
@@ -256,10 +256,13 @@ def _time_evaluation(session: Any) -> float:
     return time.perf_counter() - started
 
 
-def _time_checkpoint(session: Any) -> float:
-    """How long one checkpoint blocks the step, saved exactly as training saves it (nanopt.train.checkpoint.save: the
-    state copied to host memory, then written in the background), into a scratch directory beside the run directory (the
-    disk the run writes to) instead of the run's own, waited for, and removed afterwards whatever happens."""
+def _time_checkpoint(session: Any) -> tuple[float, float]:
+    """What one checkpoint costs the steps: the seconds the save blocks the step, and on a CPU the background
+    writer's CPU seconds (there it runs on the cores the steps use, which wait for it as surely; 0 on a GPU, and
+    where the save waits for its files, which `blocked` then holds). Saved
+    exactly as training saves it (nanopt.train.checkpoint.save: the state copied to host memory, then written in the
+    background), into a scratch directory beside the run directory (the disk the run writes to) instead of the run's
+    own, waited for, and removed afterwards whatever happens."""
     from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save, wait_quietly
 
     own = session.run
@@ -268,8 +271,10 @@ def _time_checkpoint(session: Any) -> float:
         session.run = replace(own, run_dir=scratch)
     try:
         blocked = save_checkpoint(session)
-        wait_for_save(session)
-        return blocked
+        published = wait_for_save(session)
+        beside_the_steps = session.rt.device.type == "cpu" and session.run.train.checkpoint_async
+        writing = (published.writer_cpu_s or 0.0) if beside_the_steps and published is not None else 0.0
+        return blocked, writing
     finally:
         wait_quietly(session)  # after an error: the background writer must not write into a removed directory
         session.run = own
@@ -315,5 +320,5 @@ def _worst_of_ranks(rt: Any, m: Measured) -> Measured:
         end_peak_bytes=int(worst(m.end_peak_bytes)),
         eval_s=worst(m.eval_s) if m.eval_s is not None else None,
         eval_first_s=worst(m.eval_first_s) if m.eval_first_s is not None else None,
-        checkpoint_s=worst(m.checkpoint_s))
+        checkpoint_blocked_s=worst(m.checkpoint_blocked_s), checkpoint_writer_cpu_s=worst(m.checkpoint_writer_cpu_s))
 

@@ -29,9 +29,13 @@ preflight.json (`version` 1), one JSON object:
                                measured (every measured step's loss, null where not finite)
     eval_s, eval_first_s       one in-loop evaluation: a later one, and the first (which pays once, e.g. for
                                compiling the evaluation); null with eval_interval 0
-    checkpoint_s               how long one checkpoint save blocks the step (copied to host memory, then written
-                               in the background as training does, into a scratch directory beside the run
-                               directory, waited for and removed afterwards)
+    checkpoint_s               what one checkpoint save costs the steps: how long it blocks the step (copied to
+                               host memory, then written in the background as training does, into a scratch
+                               directory beside the run directory, waited for and removed afterwards), and on a
+                               CPU also the background writer's CPU time, taken from the cores the steps use
+    checkpoint_blocked_s       of checkpoint_s, the time the save blocks the step
+    checkpoint_writer_cpu_s    of checkpoint_s, the writer's CPU time (0 on a GPU, whose steps the host's writing
+                               does not slow)
     setup_s                    process start (as `nanopt train` bills it) to the first step, a find-batch search
                                excluded, plus the first step when compiled
     projection                 seconds per phase (setup, train, eval, checkpoint) for the whole run; total_s;

@@ -61,11 +61,17 @@ class Measured:
     chance_loss: float = math.inf  # ln(vocab_size): the loss of a model that knows nothing
     eval_s: float | None = None
     eval_first_s: float | None = None
-    checkpoint_s: float = 0.0
+    checkpoint_blocked_s: float = 0.0  # how long one save blocks the step
+    checkpoint_writer_cpu_s: float = 0.0  # its background writer's CPU time, counted on a CPU only (else 0)
 
     @property
     def mean_step_s(self) -> float:
         return statistics.fmean(self.step_s or self.warmup_s)
+
+    @property
+    def checkpoint_s(self) -> float:
+        """What one save costs the steps: its blocking, and on a CPU its writing, which runs on the steps' cores."""
+        return self.checkpoint_blocked_s + self.checkpoint_writer_cpu_s
 
     @property
     def loader_wait_share(self) -> float:
@@ -101,7 +107,9 @@ def build_report(run: RunConfig, rt: Any, price_per_hour: float | None, m: Measu
         "memory": {"peak_bytes": m.peak_bytes, "early_peak_bytes": m.early_peak_bytes,
                    "end_peak_bytes": m.end_peak_bytes, "growth": m.memory_growth, "measure": _memory_measure(rt)},
         "losses": _losses(m),
-        "eval_s": m.eval_s, "eval_first_s": m.eval_first_s, "checkpoint_s": m.checkpoint_s, "setup_s": m.setup_s,
+        "eval_s": m.eval_s, "eval_first_s": m.eval_first_s, "checkpoint_s": m.checkpoint_s,
+        "checkpoint_blocked_s": m.checkpoint_blocked_s, "checkpoint_writer_cpu_s": m.checkpoint_writer_cpu_s,
+        "setup_s": m.setup_s,
         "projection": projection,
         "estimate": _estimate_comparison(run, device, projection, tokens_per_s),
         "checks": checks, "ok": all(c["ok"] for c in checks.values()),

@@ -213,6 +213,14 @@ def _comparison_table(r: dict[str, Any]) -> Table:
     return table
 
 
+def _checkpoint_text(r: dict[str, Any]) -> str:
+    writing = r.get("checkpoint_writer_cpu_s") or 0.0
+    if not writing:
+        return seconds(r["checkpoint_s"])
+    return (f"{seconds(r['checkpoint_s'])} ({seconds(r['checkpoint_blocked_s'])} blocking the step, "
+            f"{seconds(writing)} writing in the background on the cores the steps use)")
+
+
 def _measured_table(r: dict[str, Any]) -> Table:
     table = Table(title="measured", title_justify="left", show_header=False)
     table.add_column("", style="bold")
@@ -221,7 +229,7 @@ def _measured_table(r: dict[str, Any]) -> Table:
                  else "- (eval_interval 0)")
     rows = [("step time", seconds(r["step_time_s"])),
             ("setup (process start to the first step)", fmt.duration(r["setup_s"])),
-            ("one evaluation", eval_text), ("one checkpoint", seconds(r["checkpoint_s"])),
+            ("one evaluation", eval_text), ("one checkpoint", _checkpoint_text(r)),
             ("peak memory", f"{fmt.size(r['memory']['peak_bytes'])} ({r['memory']['measure']})"),
             ("data-loader wait", f"{fmt.percent(r['loader_wait_share'])} of the step time")]
     for label, value in rows:

@@ -12,12 +12,14 @@ every save wait for its files and free its copy, for machines short of host memo
 
 At most one save is in flight. The next save, the end of the run, a preemption and a rollback wait for it
 (`wait_for_save`), and there every rank learns whether it succeeded on all of them. metrics.jsonl's checkpoint
-event records how long the step was blocked (`blocked_s`) and how long the checkpoint took to be complete
-(`write_s`).
+event records how long the step was blocked (`blocked_s`), how long the checkpoint took to be complete
+(`write_s`) and, for one process's checkpoint, the CPU seconds its background writer used (`writer_cpu_s`: on a CPU
+run, seconds taken from the cores the steps use).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class Published:
     path: Path
     finished: float  # time.perf_counter()
     carries_tokenizer: bool
+    writer_cpu_s: float | None = None  # the background writer's CPU seconds, where one thread wrote it all
 
 
 def save_checkpoint(s: Session) -> float:
@@ -80,12 +83,12 @@ def save_checkpoint(s: Session) -> float:
     return time.perf_counter() - started
 
 
-def wait_for_save(s: Session) -> None:
-    """Wait for the save in flight (a collective); record it (rank 0); CheckpointError on every rank if it failed
-    on any."""
+def wait_for_save(s: Session) -> Published | None:
+    """Wait for the save in flight (a collective); record it and return what was published (rank 0; None on the
+    other ranks, or with nothing in flight); CheckpointError on every rank if it failed on any."""
     pending, s.pending_save = s.pending_save, None
     if pending is None:
-        return
+        return None
     outcome: tuple[str, str] | None = None
     try:
         published = pending.future.result()
@@ -102,8 +105,10 @@ def wait_for_save(s: Session) -> None:
         if s.rt.is_main:
             ckpt.abandon(s.run.run_dir, pending.step)
         raise CheckpointError(*outcomes[0])
-    if s.rt.is_main:
-        _record(s, pending, published)
+    if not s.rt.is_main:
+        return None
+    _record(s, pending, published)
+    return published
 
 
 def wait_quietly(s: Session, timeout_s: float = 60.0) -> None:
@@ -121,8 +126,12 @@ def wait_quietly(s: Session, timeout_s: float = 60.0) -> None:
 def _record(s: Session, pending: PendingSave, published: Published) -> None:
     write_s = published.finished - pending.submitted + pending.blocked_s
     blocked_s = pending.blocked_s if s.run.train.checkpoint_async else write_s  # without it the step waits for all
+    cpu = {} if published.writer_cpu_s is None else {"writer_cpu_s": round(published.writer_cpu_s, 4)}
+    if published.writer_cpu_s and s.rt.device.type == "cpu" and s.run.train.checkpoint_async:
+        # It ran on the steps' cores while they ran: the steps lost it (a save that waits was charged already).
+        s.clock.recharge(published.writer_cpu_s, "train", "checkpoint")
     s.metrics.write("event", step=pending.step, event="checkpoint", path=str(published.path),
-                    blocked_s=round(blocked_s, 4), write_s=round(write_s, 4))
+                    blocked_s=round(blocked_s, 4), write_s=round(write_s, 4), **cpu)
     if not published.carries_tokenizer:
         s.observer.note(f"{published.path.name} does not carry the tokenizer: {s.dataset.tokenizer_path} changed "
                         "since training started; eval and export of it need --data with the original dataset")
@@ -189,8 +198,10 @@ def _in_background(work: Any, *args: Any) -> Future:
 
 def _write_full_then_publish(s: Session, step: int, tmp: Path, staged: dict[str, Any], meta: dict[str, Any],
                              best: bool) -> Published:
+    cpu_started = time.thread_time()
     ckpt.write_full(s.run.run_dir, step, tmp, staged["model"], staged["optimizer"])
-    return _publish(s, step, meta, best)
+    published = _publish(s, step, meta, best)
+    return dataclasses.replace(published, writer_cpu_s=time.thread_time() - cpu_started)
 
 
 def _publish_after(s: Session, step: int, written: Future, meta: dict[str, Any], best: bool) -> Published:

@@ -72,6 +72,13 @@ class PhaseClock:
             self.last[name] = time.perf_counter() - begun
             self.seconds[name] += self.last[name]
 
+    def recharge(self, seconds: float, source: str, to: str) -> None:
+        """Charge to `to` seconds the clock counted in `source` (no more than it holds) that were `to`'s work:
+        on a CPU, a background checkpoint write's CPU time, which the steps running beside it lost."""
+        moved = min(seconds, self.seconds[source])
+        self.seconds[source] -= moved
+        self.seconds[to] += moved
+
     def totals(self, wall: float) -> dict[str, float]:
         """Seconds per phase including `other`, adding up to `wall`, the session's wall time so far."""
         named = dict(self.seconds)
