@@ -257,13 +257,12 @@ def _time_evaluation(session: Any) -> float:
 
 
 def _time_checkpoint(session: Any) -> tuple[float, float]:
-    """What one checkpoint costs the steps: the seconds the save blocks the step, and on a CPU the background
-    writer's CPU seconds (there it runs on the cores the steps use, which wait for it as surely; 0 on a GPU, and
-    where the save waits for its files, which `blocked` then holds). Saved
-    exactly as training saves it (nanopt.train.checkpoint.save: the state copied to host memory, then written in the
-    background), into a scratch directory beside the run directory (the disk the run writes to) instead of the run's
-    own, waited for, and removed afterwards whatever happens."""
-    from nanopt.train.checkpoint.save import save_checkpoint, wait_for_save, wait_quietly
+    """What one checkpoint costs the steps: the seconds the save blocks the step, and those its background writing
+    takes from them (nanopt.train.checkpoint.save.steps_lost_to_writing: on a CPU, 0 elsewhere). Saved exactly as
+    training saves it (the state copied to host memory, then written in the background), into a scratch directory
+    beside the run directory (the disk the run writes to) instead of the run's own, waited for, and removed
+    afterwards whatever happens."""
+    from nanopt.train.checkpoint.save import save_checkpoint, steps_lost_to_writing, wait_for_save, wait_quietly
 
     own = session.run
     scratch = _scratch_directory(session)
@@ -271,10 +270,7 @@ def _time_checkpoint(session: Any) -> tuple[float, float]:
         session.run = replace(own, run_dir=scratch)
     try:
         blocked = save_checkpoint(session)
-        published = wait_for_save(session)
-        beside_the_steps = session.rt.device.type == "cpu" and session.run.train.checkpoint_async
-        writing = (published.writer_cpu_s or 0.0) if beside_the_steps and published is not None else 0.0
-        return blocked, writing
+        return blocked, steps_lost_to_writing(session, wait_for_save(session))
     finally:
         wait_quietly(session)  # after an error: the background writer must not write into a removed directory
         session.run = own

@@ -111,6 +111,15 @@ def wait_for_save(s: Session) -> Published | None:
     return published
 
 
+def steps_lost_to_writing(s: Session, published: Published | None) -> float:
+    """The seconds a save's background writing took from the steps: on a CPU its writer's CPU time, spent on the
+    cores the steps use while they run. 0 on a GPU (the host writes beside its steps), for a save that waits for its
+    files (its blocked time holds the writing), and where no one thread wrote it all."""
+    if published is None or not published.writer_cpu_s:
+        return 0.0
+    return published.writer_cpu_s if s.rt.device.type == "cpu" and s.run.train.checkpoint_async else 0.0
+
+
 def wait_quietly(s: Session, timeout_s: float = 60.0) -> None:
     """On the way out after an error: let this rank's part of a save in flight finish (no collective, nothing
     raised), so that a checkpoint already being written is not cut short."""
@@ -127,9 +136,9 @@ def _record(s: Session, pending: PendingSave, published: Published) -> None:
     write_s = published.finished - pending.submitted + pending.blocked_s
     blocked_s = pending.blocked_s if s.run.train.checkpoint_async else write_s  # without it the step waits for all
     cpu = {} if published.writer_cpu_s is None else {"writer_cpu_s": round(published.writer_cpu_s, 4)}
-    if published.writer_cpu_s and s.rt.device.type == "cpu" and s.run.train.checkpoint_async:
-        # It ran on the steps' cores while they ran: the steps lost it (a save that waits was charged already).
-        s.clock.recharge(published.writer_cpu_s, "train", "checkpoint")
+    lost = steps_lost_to_writing(s, published)
+    if lost:
+        s.clock.recharge(lost, "train", "checkpoint")
     s.metrics.write("event", step=pending.step, event="checkpoint", path=str(published.path),
                     blocked_s=round(blocked_s, 4), write_s=round(write_s, 4), **cpu)
     if not published.carries_tokenizer:
