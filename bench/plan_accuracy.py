@@ -80,18 +80,19 @@ def one_budget(budget: str, data: Path, root: Path) -> dict[str, Any]:
                         "total_ratio": got["total_s"] / predicted["total_s"],
                         "cost_ratio": got["cost_usd"] / predicted["cost_usd"] if predicted["cost_usd"] else None}
     record["measured"] = {key: got[key] for key in ("tokens_per_s", "train_s", "total_s", "cost_usd")}
-    record["preflight_after"] = preflight_after(run)
+    # The control for a miss, the moment training has ended: near the training's rate while the preflight before it
+    # was not, the machine's rate moved between the two (a shared machine's does); near the first preflight's while
+    # the training was not, something in training that a preflight does not run slowed it.
+    record["preflight_after"] = preflight_rate(run)
     return record
 
 
-def preflight_after(run: Path) -> dict[str, Any]:
-    """The same preflight again, the moment training has ended: the control for a miss. Near the training's rate
-    while the preflight before it was not, the machine's rate moved between the two (a shared machine's does); near
-    the first preflight's while the training was not, something in training that a preflight does not run slowed
-    it."""
+def preflight_rate(run: Path) -> dict[str, Any]:
+    """`nanopt preflight` of the run as it stands, changing nothing in it but preflight.json: what it measured."""
     nanopt("preflight", str(run), "--no-correct-plan", allowed=(0, 3))
-    after = json.loads((run / "preflight.json").read_text())
-    return {"tokens_per_s": after["tokens_per_s"], "threads": after["device"].get("cpu_threads", {}).get("threads")}
+    report = json.loads((run / "preflight.json").read_text())
+    return {"tokens_per_s": report["tokens_per_s"], "steps": report["steps"]["measured"],
+            "threads": report["device"].get("cpu_threads", {}).get("threads")}
 
 
 def threads_used(run: Path, prediction: dict[str, Any]) -> dict[str, int | None]:

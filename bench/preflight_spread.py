@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from plan_accuracy import REPO, commit, nanopt
+from plan_accuracy import REPO, commit, nanopt, preflight_rate
 
 
 def main() -> None:
@@ -35,11 +35,10 @@ def main() -> None:
         nanopt("plan", "--budget", args.budget, "--gpu", "cpu", "--data", str(data), "--out", str(run))
         rates, threads = [], []
         for _ in range(args.repeats):
-            nanopt("preflight", str(run), "--no-correct-plan", allowed=(0, 3))
-            report = json.loads((run / "preflight.json").read_text())
-            rates.append(report["tokens_per_s"])
-            threads.append(report["device"].get("cpu_threads", {}).get("threads"))
-            print(f"{report['tokens_per_s']:,.0f} tokens/s over {report['steps']['measured']} steps", flush=True)
+            measured = preflight_rate(run)
+            rates.append(measured["tokens_per_s"])
+            threads.append(measured["threads"])
+            print(f"{measured['tokens_per_s']:,.0f} tokens/s over {measured['steps']} steps", flush=True)
     median = statistics.median(rates)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "bench": "preflight_spread", "commit": commit(), "machine": f"{os.cpu_count()} CPUs",
