@@ -70,6 +70,7 @@ TRAIN = {
     "compile": "torch.compile",
     "cuda_graphs": "one GPU: each micro-batch replayed from a CUDA graph",
     "bf16_residual": "the residual stream between blocks in bf16, opt-in",
+    "bf16_weight_copies": "the blocks' linear layers from bf16 weight copies made once per step",
     "fp8": "FP8 matmuls, opt-in",
     "activation_checkpointing": "recompute block activations in backward",
     "parallelism": "how ranks split the model and optimizer state under torchrun",
@@ -302,6 +303,15 @@ TRAIN_DETAILS = [
         activation memory and traffic, each residual addition rounded to bf16, so it changes the numerics and is
         opt-in. Needs `precision` bf16 (one line otherwise). Weights, checkpoints and exports are the same either
         way; changing it on resume needs `--allow-changed`
+        """),
+    (('bf16_weight_copies',), 'false', """
+        The blocks' linear layers compute from bf16 copies of their weights, made once per optimizer step, instead
+        of casting each fp32 weight on every micro-batch; their weight gradients come out of the GEMM in fp32 where
+        torch and the GPU can (else the bf16 product, cast, exactly as autocast gives). Fewer bytes moved per
+        micro-batch, for 2 bytes per weight kept for the run. Needs `precision` bf16, and DDP or ZeRO-1 with more
+        than one rank (FSDP2 makes its own bf16 copies per micro-batch); one line otherwise. Checkpoints and
+        evaluation are the same either way; free to change on resume. Off until a GPU window measures what it gains
+        (bench/RESULTS.md)
         """),
     (('fp8',), '`off`', """
         FP8 matmuls, opt-in (see [FP8](fp8-and-muon.md#fp8)): `head` (the output head's GEMMs inside the loss,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clihelp import assert_user_error
-from trainhelp import HIDE_CUDA, losses, make_run
+from trainhelp import assert_train_refused, losses, make_run
 
 from nanopt.config import ModelConfig
 from nanopt.model.transformer import Transformer
@@ -72,9 +71,5 @@ def test_training_stays_within_the_bf16_tolerance_of_the_fp32_stream(tmp_path: P
 
 
 def test_refused_outside_bf16_in_one_line(tmp_path: Path, tiny_dataset: Path, cli_in_process, monkeypatch):
-    for name, value in HIDE_CUDA.items():
-        monkeypatch.setenv(name, value)
     run = make_run(tmp_path, tiny_dataset, bf16_residual=True)  # fp32, as the tests' runs are
-    assert_user_error(cli_in_process("train", run, "--no-live"),
-                      "'bf16_residual': true needs \"precision\": \"bf16\"")
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert_train_refused(cli_in_process, monkeypatch, run, "'bf16_residual': true needs \"precision\": \"bf16\"")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clihelp import assert_user_error
-from trainhelp import HIDE_CUDA, losses, make_run
+from trainhelp import HIDE_CUDA, assert_train_refused, losses, make_run
 
 from nanopt.config import ModelConfig, load_run
 from nanopt.errors import ConfigError
@@ -31,8 +30,7 @@ def test_cuda_graphs_on_the_cpu_is_a_one_line_error(tmp_path: Path, tiny_dataset
     if torch.cuda.is_available():
         pytest.skip("this process already sees a GPU (CUDA_VISIBLE_DEVICES is read once)")
     run = make_run(tmp_path, tiny_dataset, cuda_graphs=True)
-    assert_user_error(cli_in_process("train", run, "--no-live"), "'cuda_graphs': true needs a CUDA GPU")
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert_train_refused(cli_in_process, monkeypatch, run, "'cuda_graphs': true needs a CUDA GPU")
 
 
 def test_refused_with_several_ranks_and_in_fp16(tmp_path: Path, tiny_dataset: Path):

@@ -251,7 +251,7 @@ def test_health_profile_llama_and_micro_batch_64_report_their_measurements(smoke
     assert all(r["ratio"] > 0 for r in rows if r["side"] == "comparison")
 
 
-def test_stacked_compares_both_sides_and_graphs_records_its_refusal_on_the_cpu(smoke):
+def test_stacked_compares_both_sides_and_graphs_and_copies_record_their_refusals_on_the_cpu(smoke):
     by = _by_workload(smoke.records)
     stacked = by["gpt2-small:stacked"]
     assert {r["side"] for r in stacked} == {"separate", "stacked", "comparison"}
@@ -264,6 +264,13 @@ def test_stacked_compares_both_sides_and_graphs_records_its_refusal_on_the_cpu(s
     assert launched and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in launched)
     comparisons = [r for r in graphs if r["side"] == "comparison"]
     assert comparisons and all("speedup" not in r and "graphed refused" in r["status"] for r in comparisons)
+    for workload in ("gpt2-small:copies", "llama-1b:copies"):  # the smoke run computes in fp32
+        rows = by[workload]
+        copied = [r for r in rows if r["side"] == "copies"]
+        assert copied and all("'bf16_weight_copies': true needs \"precision\": \"bf16\"" in r["status"]
+                              for r in copied)
+        assert [r for r in rows if r["side"] == "cast"] and all(r["status"] == "ok" for r in rows
+                                                                  if r["side"] == "cast")
 
 
 def test_residual_trains_the_fp32_stream_and_records_the_bf16_refusal_on_the_cpu(smoke):

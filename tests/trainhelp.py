@@ -56,6 +56,16 @@ def make_run(root: Path, dataset: Path, name: str = "run", model: dict | None = 
     return run
 
 
+def assert_train_refused(cli_in_process: Any, monkeypatch: Any, run: Path, message: str) -> None:
+    """`nanopt train RUN` in this process, on the CPU: refused in one line that says `message`, nothing written."""
+    from clihelp import assert_user_error
+
+    for name, value in HIDE_CUDA.items():
+        monkeypatch.setenv(name, value)
+    assert_user_error(cli_in_process("train", run, "--no-live"), message)
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
 def losses(run: Path) -> dict[int, float]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():

@@ -90,6 +90,10 @@ class TrainConfig:
     # bf16: the residual stream between blocks kept in bf16 instead of fp32 (norms still compute in fp32): less
     # memory and traffic, each residual addition rounded to bf16. Changes the numerics: opt-in.
     bf16_residual: bool = False
+    # bf16: the blocks' linear layers compute from bf16 copies of their weights made once per optimizer step instead
+    # of a cast per micro-batch, and their weight gradients come out of the GEMM in fp32 where the GPU allows
+    # (nanopt.train.precision.weight_copies). The same numbers on the CPU; off until a GPU window measures it.
+    bf16_weight_copies: bool = False
     # FP8 matmuls (GPUs with FP8 tensor cores, bf16): "head", the output head in the loss; "all", also the blocks'
     # larger linear layers through torchao (nanopt.train.precision.fp8). Weights and checkpoints are the same either
     # way.

@@ -5,13 +5,12 @@ what this holds). Pure: tensors in, a loss and its gradients out.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from nanopt.model.fp8 import GRADIENT_DTYPE, Fp8HeadOperands, HeadMode, to_fp8
+from nanopt.model.gemm import gemm_writes_fp32
 from nanopt.model.loss_chunks import loss_chunk_rows
 
 IGNORE_INDEX = -100
@@ -124,25 +123,10 @@ def accumulate_head_grad(accumulator: Tensor, grad_logits_t: Tensor, hidden: Ten
     """
     if grad_logits_t.dtype == torch.float32:
         accumulator.addmm_(grad_logits_t, hidden)
-    elif accumulator.is_cuda and _addmm_accumulates_in_fp32(accumulator.device, grad_logits_t.dtype):
+    elif gemm_writes_fp32(accumulator.device, grad_logits_t.dtype):
         torch.addmm(accumulator, grad_logits_t, hidden, out_dtype=torch.float32, out=accumulator)
     else:
         accumulator.add_(grad_logits_t @ hidden)
-
-
-@functools.cache
-def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch and device run addmm(fp32 C, A, B, out_dtype=float32, out=C) with `dtype` A and B (newer
-    torch, CUDA): tried once on a tiny problem, so an older build or an unsupported device keeps the plain path."""
-    if "dtype_out" not in torch.ops.aten.addmm.overloads():
-        return False
-    accumulator = torch.ones(16, 16, device=device)
-    operand = torch.ones(16, 16, device=device, dtype=dtype)
-    try:
-        torch.addmm(accumulator, operand, operand, out_dtype=torch.float32, out=accumulator)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return bool((accumulator == 17).all())
 
 
 def _compute_dtype(tensor: Tensor) -> torch.dtype:

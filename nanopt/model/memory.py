@@ -249,7 +249,7 @@ def math_attention_bytes_per_token_per_layer(cfg: ModelConfig, act_bytes: int, s
 
 
 def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallelism: str, stacked: bool = False,
-                      kept_blocks: int | None = None) -> int:
+                      kept_blocks: int | None = None, copies: bool = False) -> int:
     """Eager autocast on replicated weights (ddp, zero1): every projection's weight cast to the compute dtype is
     saved by its matmul for backward, so all the blocks' copies are alive at the forward's peak (GPT-2 small:
     2 x 84.9M = 0.16 GiB; Llama 1B: 2 x 973M = 1.81 GiB). Compiled, the cast is recomputed from the fp32 weight in
@@ -258,8 +258,13 @@ def weight_copy_bytes(cfg: ModelConfig, act_bytes: int, compiled: bool, parallel
     `stacked` (nanopt.model.stacked): the concatenated q/k/v (and gate/up) weight is no leaf, so autocast does not
     cache its cast: the copy is saved by the `kept_blocks` blocks that are not checkpointed (default: all). Where
     nothing is cast (fp32; FSDP2's gathered weights) eager and compiled alike keep the concatenation itself (Inductor
-    saves it rather than the weights it came from); compiled under autocast, it is recomputed as the casts are."""
+    saves it rather than the weights it came from); compiled under autocast, it is recomputed as the casts are.
+
+    `copies` (train.json bf16_weight_copies, nanopt.model.weight_copies): the blocks' weights in bf16, kept for the
+    whole run, eager or compiled; they are what the GEMMs save for backward (stacked ones too), so no other copy."""
     cast = act_bytes < 4 and parallelism in ("ddp", "zero1")
+    if copies and cast:
+        return act_bytes * hidden_matrix_params(cfg)
     cached = act_bytes * hidden_matrix_params(cfg) if cast and not compiled else 0
     if not stacked or (cast and compiled):
         return cached
@@ -277,7 +282,7 @@ def stacked_params_per_layer(cfg: ModelConfig) -> int:
 def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled: bool,
                     activation_checkpointing: bool | int | str, parallelism: str, world_size: int,
                     optimizer: str = "adamw", cuda: bool = True, step_sequences: float = math.inf,
-                    health: bool = False, stacked: bool = False) -> MemoryEstimate:
+                    health: bool = False, stacked: bool = False, weight_copies: bool = False) -> MemoryEstimate:
     """Per-GPU memory of training with AdamW (or Muon, train.json's `optimizer`) and fp32 master weights, at one
     rung of the ladder: train.json's `parallelism` (SHARDED_STATES) and `activation_checkpointing` (any
     granularity: checkpointed_blocks). `step_sequences`: the sequences per rank of one optimizer step; a smaller
@@ -293,7 +298,8 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     momentum buffer for the hidden matrices it updates instead. Eager autocast keeps the blocks' weight copies
     (weight_copy_bytes); zero2 keeps every block's gathered weights (`gathered`). With run `health` on, a log
     step copies the weights around its update (`health_snapshot`). `stacked`: the model's stacked projections
-    (Transformer.stack_projections), which change the eager casts and the weight copies.
+    (Transformer.stack_projections), which change the eager casts and the weight copies; `weight_copies` the bf16
+    weight copies (train.json bf16_weight_copies), which replace them.
     """
     parallelism = parallelism if world_size > 1 else "ddp"  # one process shards nothing (nanopt.train.parallel.wrap)
     act_bytes = 4 if precision == "fp32" else 2
@@ -319,7 +325,7 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
     return dataclasses.replace(states, loss_buffers=loss_buffer_bytes(cfg, act_bytes), gathered=gathered,
                                runtime_overhead=RUNTIME_OVERHEAD_BYTES if cuda else CPU_RUNTIME_OVERHEAD_BYTES,
                                weight_copies=weight_copy_bytes(cfg, act_bytes, compiled, parallelism, stacked,
-                                                               uncheckpointed),
+                                                               uncheckpointed, weight_copies),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
                                seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
                                recompute_per_sequence=backward)

@@ -32,6 +32,8 @@ When embeddings are tied, `state_dict()` lists both `embed_tokens.weight` and `l
 `parameters()` yields it once.
 
 `Transformer.stack_projections(True)` computes q, k, v (and gate, up) as one GEMM each over the same Parameters.
+`Transformer.keep_weight_copies(torch.bfloat16)` has the blocks' linear layers train from bf16 copies of their
+weights that the trainer refreshes once per optimizer step (nanopt.model.weight_copies).
 
 `qk_norm` normalizes each head's queries and keys (RMSNorm) before RoPE. `document_masking` keeps attention inside
 the documents of a packed row (split at `eos_token_id`), positions restarting per document (nanopt.model.documents).
@@ -60,7 +62,7 @@ from nanopt.model.documents import compute_dtype, document_mask, document_positi
 from nanopt.model.fp8 import HeadMode
 from nanopt.model.loss import chunked_cross_entropy
 from nanopt.model.rope import apply_rope, rope_at, rope_tables
-from nanopt.model.stacked import project
+from nanopt.model.weight_copies import Projections, WeightCopies
 
 
 class KVCache:
@@ -134,14 +136,15 @@ def _is_hopper(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-class Attention(nn.Module):
+class Attention(Projections):
+    GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "out": ("o_proj",)}
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         # Prefer cuDNN attention in training: None decides by the device (cudnn_attention_by_default); True/False
         # force it either way, e.g. to compare both on one GPU (Transformer.prefer_cudnn_attention).
         self.prefer_cudnn: bool | None = None
-        self.stacked = False  # q, k and v in one GEMM (Transformer.stack_projections)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -158,7 +161,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv_cache: KVCache | None = None,
                 mask: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.stacked)
+        q, k, v = self.project("qkv", x)
         if rope is not None or self.q_norm is not None:
             # Stacked, v is a view of the one product; attention saves it, which would keep the q and k columns
             # alive until backward too, though RoPE or the norm replaced them. A copy of v frees them (unstacked: a
@@ -176,7 +179,7 @@ class Attention(nn.Module):
             offset = kv_cache.length
             k, v = kv_cache.update(self.layer_idx, k, v)
         out = self._attend_documents(q, k, v, mask) if mask is not None else self._attend(q, k, v, offset)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.project("out", out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))[0]
 
     def _attend_documents(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Attention within documents (nanopt.model.documents). On CUDA the memory-efficient kernel takes the mask
@@ -216,20 +219,23 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Projections):
+    GROUPS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.stacked = False  # gate and up in one GEMM (Transformer.stack_projections)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(x, (self.gate_proj, self.up_proj), self.stacked)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.project("gate_up", x)
+        return self.project("down", F.silu(gate) * up)[0]
 
 
-class GeluMLP(nn.Module):
+class GeluMLP(Projections):
+    GROUPS = {"up": ("up_proj",), "down": ("down_proj",)}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -237,7 +243,7 @@ class GeluMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # The tanh approximation is GPT-2's original activation ("gelu_new" in Hugging Face).
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+        return self.project("down", F.gelu(self.project("up", x)[0], approximate="tanh"))[0]
 
 
 class Block(nn.Module):
@@ -342,9 +348,14 @@ class Transformer(nn.Module):
         plan "stacked" times both), while what it costs is known: in eager, where nothing casts the weights (fp32;
         FSDP2's gathered ones) each block keeps its concatenated weights for backward (memory.weight_copy_bytes)."""
         for layer in self.layers:
-            layer.attn.stacked = stacked
-            if isinstance(layer.mlp, SwiGLU):
-                layer.mlp.stacked = stacked
+            layer.attn.stacked = layer.mlp.stacked = stacked
+
+    def keep_weight_copies(self, dtype: torch.dtype) -> WeightCopies:
+        """The blocks' linear layers compute their training forwards from copies of their weights in `dtype`
+        (nanopt.model.weight_copies), which the caller refreshes (WeightCopies.refresh) before each step's first
+        micro-batch. Parameters, state-dict keys and evaluation are unchanged."""
+        return WeightCopies([pair for layer in self.layers for part in (layer.attn, layer.mlp)
+                             for pair in part.keep_copies(dtype)])
 
     def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:

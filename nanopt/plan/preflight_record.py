@@ -71,9 +71,10 @@ FORMAT_VERSION = 1
 # Settings that decide a step's speed: a preflight.json measured with others is stale.
 SPEED_SETTINGS = ("seq_len", "micro_batch_size", "global_batch_tokens", "precision", "tf32", "compile",
                   "activation_checkpointing", "parallelism", "fp8", "seq_len_stages", "cuda_graphs",
-                  "bf16_residual")
+                  "bf16_residual", "bf16_weight_copies")
 # What a fingerprint written before a setting existed meant by leaving it out.
-_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None, "cuda_graphs": False, "bf16_residual": False}
+_BEFORE_THE_KEY = {"tf32": True, "fp8": "off", "seq_len_stages": None, "cuda_graphs": False, "bf16_residual": False,
+                  "bf16_weight_copies": False}
 
 
 def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def fingerprint(run: RunConfig, world_size: int) -> dict[str, Any]:
                 "compile": train.compile, "activation_checkpointing": train.activation_checkpointing,
                 "parallelism": train.parallelism, "fp8": train.fp8, "seq_len_stages": train.seq_len_stages,
                 "cuda_graphs": train.cuda_graphs, "bf16_residual": train.bf16_residual,
+                "bf16_weight_copies": train.bf16_weight_copies,
                 "world_size": world_size}
     return json.loads(json.dumps(settings))
 

@@ -24,10 +24,11 @@ from nanopt.train.observe.sinks import build_sinks, check_sink_packages
 from nanopt.train.optim.optimizer import build_optimizer
 from nanopt.train.parallel.graphed_step import check_cuda_graphs
 from nanopt.train.parallel.world_fit import micro_batch_for_world
-from nanopt.train.parallel.wrap import Prepared, prepare, resolve_compile, shards_optimizer_only
+from nanopt.train.parallel.wrap import FSDP2_CHOICES, Prepared, prepare, resolve_compile, shards_optimizer_only
 from nanopt.train.precision.fp8 import check_fp8
 from nanopt.train.precision.residual import check_bf16_residual
 from nanopt.train.precision.scaling import new_scaler
+from nanopt.train.precision.weight_copies import check_bf16_weight_copies
 from nanopt.train.shape_schedule import run_flops_per_token
 from nanopt.train.state import Counters, TrainState
 
@@ -121,6 +122,8 @@ def build_session(run: RunConfig, rt: Runtime, opts: TrainOptions | None = None,
     check_fp8(run, rt.device, rt.precision, resolve_compile(run.train.compile, rt.device))
     check_cuda_graphs(run, rt.device, rt.precision, rt.world_size)
     check_bf16_residual(run, rt.precision)
+    check_bf16_weight_copies(run, rt.precision, run.train.parallelism in FSDP2_CHOICES and rt.distributed,
+                             rt.world_size)
     # Training hashes a small dataset whole before it trusts it; find-batch and profile, which start a session per
     # trial or measurement and write nothing, check the cheap things only.
     dataset = open_run_data(run, verify_up_to_bytes=VERIFY_AT_OPEN_BYTES if writes else 0)

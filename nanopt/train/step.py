@@ -35,6 +35,8 @@ def step(s: Session) -> tuple[float, float, bool]:
     # s.accum, or fewer during batch warmup: the data's step's (ahead of st.step after a recovery skipped data); its
     # tokens, whatever its sequence-length stage
     accum, tokens = s.loader.accum_at(s.loader.step), s.loader.tokens_in(s.loader.step)
+    if s.prepared.weight_copies is not None:
+        s.prepared.weight_copies.refresh()  # the weights as this step's micro-batches must see them
     if s.prepared.graphed is not None:
         s.prepared.graphed.begin_step(accum)
     for micro in range(accum):

@@ -91,7 +91,8 @@ def run_memory(run: RunConfig, target: Target, precision: str, world_size: int, 
                                   else activation_checkpointing),
         parallelism=parallelism or run.train.parallelism, world_size=world_size,
         optimizer=optimizer or run.train.optimizer,
-        cuda=not target.is_cpu, step_sequences=run.sequences_per_rank(world_size), health=run.train.health)
+        cuda=not target.is_cpu, step_sequences=run.sequences_per_rank(world_size), health=run.train.health,
+        weight_copies=run.train.bf16_weight_copies)
 
 
 def fits_in(memory: memory_model.MemoryEstimate, micro_batch: int, target: Target) -> bool:

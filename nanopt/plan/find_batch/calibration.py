@@ -62,7 +62,8 @@ def _memory_model(run: RunConfig, world: int, precision: str, compiled: bool, ba
                             activation_checkpointing=run.train.activation_checkpointing,
                             parallelism=run.train.parallelism, world_size=world, optimizer=run.train.optimizer,
                             # a trial steps as the run will (search.trial_run): gradients held where it accumulates
-                            step_sequences=run.sequences_per_rank(world), health=run.train.health)
+                            step_sequences=run.sequences_per_rank(world), health=run.train.health,
+                            weight_copies=run.train.bf16_weight_copies)
     if baseline_bytes:
         # The model's runtime overhead stands for a CUDA context; a CPU process has Python and torch instead.
         model = dataclasses.replace(model, runtime_overhead=int(baseline_bytes))

@@ -41,7 +41,7 @@ from nanopt.train.session import Session
 
 # `data` is the path, free to change when the dataset moves: its contents are checked by data_fingerprint.
 FREE = {"data", "eval_interval", "eval_tokens", "downstream_interval", "checkpoint_interval", "keep_checkpoints",
-        "checkpoint_async", "log_interval", "health", "compile", "cuda_graphs",
+        "checkpoint_async", "log_interval", "health", "compile", "cuda_graphs", "bf16_weight_copies",
         "activation_checkpointing", "max_nonfinite_steps", "spike_threshold", "price_per_hour", "on_exit",
         "on_exit_timeout_s", "recovery", "recovery_confirm_steps", "recovery_skip_steps", "recovery_lr_factor",
         "recovery_lr_steps", "max_recoveries", "tensorboard", "wandb_project", "wandb_mode", "data_epochs_warning"}

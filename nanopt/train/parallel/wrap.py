@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nanopt.config import TrainConfig
 from nanopt.model.layout import tied_aliases
+from nanopt.model.weight_copies import WeightCopies
 from nanopt.runtime import Runtime
 from nanopt.train.optim.lowbit import is_adamw8bit, plain_state, quantized_state
 from nanopt.train.optim.optimizer import MuonWithAdamW, optimizers_of
@@ -42,6 +43,7 @@ from nanopt.train.parallel.graphed_step import GraphedMicroStep
 from nanopt.train.parallel.recompute import apply_activation_checkpointing
 from nanopt.train.precision.fp8 import apply_fp8
 from nanopt.train.precision.residual import residual_dtype
+from nanopt.train.precision.weight_copies import keep_weight_copies
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL = StateDictOptions(full_state_dict=True)
@@ -55,6 +57,9 @@ class Prepared:
     fsdp: bool
     compiled: bool
     graphed: GraphedMicroStep | None = None  # train.json's cuda_graphs (nanopt.train.parallel.graphed_step)
+    # train.json's bf16_weight_copies (nanopt.train.precision.weight_copies): refreshed before each step's first
+    # micro-batch
+    weight_copies: WeightCopies | None = None
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on accumulation micro-steps before the last one."""
@@ -89,13 +94,15 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
     apply_fp8(model, cfg.fp8, rt.world_size if cfg.parallelism in ("fsdp", "zero2") else 1)
     # checked at session start (nanopt.train.precision.residual)
     model.residual_dtype = residual_dtype(cfg.bf16_residual)
+    # after FP8's layers (they keep their own GEMMs), before compile and DDP see the model; checked at session start
+    copies = keep_weight_copies(model, cfg.bf16_weight_copies, rt.autocast_dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     compiled = resolve_compile(cfg.compile, rt.device)
     if cfg.parallelism in FSDP2_CHOICES and rt.distributed:
         if compiled:
             _compile_blocks(model)  # before sharding: FSDP2's hooks must stay outside the compiled code
         _shard(model, rt, cfg.parallelism)
-        return Prepared(model=model, raw=model, ddp=None, fsdp=True, compiled=compiled)
+        return Prepared(model=model, raw=model, ddp=None, fsdp=True, compiled=compiled, weight_copies=copies)
     ddp = None
     wrapped: torch.nn.Module = model
     if rt.distributed:
@@ -113,7 +120,8 @@ def prepare(model: torch.nn.Module, rt: Runtime, cfg: TrainConfig) -> Prepared:
         # the graph at DDP's bucket boundaries, hence buckets of a layer's size.
         wrapped = torch.compile(wrapped, dynamic=False)
     graphed = GraphedMicroStep(wrapped, list(model.parameters()), rt.autocast) if cfg.cuda_graphs else None
-    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=False, compiled=compiled, graphed=graphed)
+    return Prepared(model=wrapped, raw=model, ddp=ddp, fsdp=False, compiled=compiled, graphed=graphed,
+                    weight_copies=copies)
 
 
 def _compile_blocks(model: torch.nn.Module) -> None:
