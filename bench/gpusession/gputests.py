@@ -14,8 +14,8 @@ from gpusession.records import REPO, Context, append_record, base_record
 
 # Cheapest first (by what each GPU test starts: no process, one tiny run, a profiled run, a search with trials);
 # a file not named here runs after these, before the search.
-CHEAPEST_FIRST = ("test_gpu_table.py", "test_cuda_graphs.py", "test_allocator.py", "test_step_sync.py",
-                  "test_prefetch.py", "test_profile.py", "test_gpu_lifecycle.py")
+CHEAPEST_FIRST = ("test_gpu_table.py", "test_weight_copies.py", "test_cuda_graphs.py", "test_allocator.py",
+                  "test_step_sync.py", "test_prefetch.py", "test_profile.py", "test_gpu_lifecycle.py")
 KILL_AND_RESUME = ("test_train.py", "test_fp16.py")  # after the files not named here
 LAST = ("test_find_batch.py",)  # compiled searches: a fresh process and compilation per trial
 MARKS = "gpu"

@@ -107,6 +107,11 @@ STEPS = (
     # `nanopt plan` of a 2e18-FLOP budget for GPT-2 on this card (about GPT-2 small), trained 30 steps at the plan's
     # batch: its predicted step time and peak memory against measured. A graph of the plan's own shape, cold.
     Step("plan-gpt2", ("plan:gpt2",), ("cold",), 45, 40, needs_data=True),
+    # bf16 weight copies made once per step (train.json bf16_weight_copies) against autocast's casts, at
+    # throughput-llama's shape (one round, each side freed first) and throughput-gpt2's (two rounds): two graphs of
+    # their own each (the copies' graph differs), so both cold, and the measuring work of the stacked steps.
+    Step("copies-llama", ("llama-1b:copies",), ("cold-1b", "cold-1b"), 35, 60),
+    Step("copies-gpt2", ("gpt2-small:copies",), ("cold", "cold"), 32, 60),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -125,6 +130,9 @@ PLANS = {
     # For a third call: a budget plan's prediction against its measured step, then what changes the numerics
     # (the bf16 residual stream against fp32, FP8 on GPT-2 small).
     "plan-and-numerics": ("preflight", "data", "plan-gpt2", "residual", "fp8", "gpu-tests"),
+    # bf16 weight copies once per step against a cast per micro-batch, the 1B first; the GPU tests start with the
+    # copies' own (their fp32 weight gradients out of the GEMM, eager and compiled).
+    "copies": ("preflight", "copies-llama", "copies-gpt2", "gpu-tests"),
     "all": STEP_NAMES,
 }
 GPU_PLANS = tuple(name for name in PLANS if name != "all")  # the plans a window runs: each must fit one call

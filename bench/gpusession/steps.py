@@ -52,4 +52,10 @@ WORKERS: dict[str, Callable[[Context], None]] = {
     # Each micro-batch replayed from a CUDA graph against launched kernel by kernel, at GPT-2's preset cadence.
     "graphs-gpt2": lambda ctx: step_variants(ctx, "graphs", "gpt2-small:graphs", "gpt2-small", wanted_micro=32,
                                              accum_cap=16, timed_micro=32, rounds=2),
+    # bf16 weight copies made once per step against autocast's cast per micro-batch, at the throughput steps' shapes
+    # and cadences: the 1B first (its weights' bytes per micro-batch are the most).
+    "copies-llama": lambda ctx: step_variants(ctx, "copies", "llama-1b:copies", "llama-1b", wanted_micro=8,
+                                              accum_cap=8, timed_micro=16, rounds=1),
+    "copies-gpt2": lambda ctx: step_variants(ctx, "copies", "gpt2-small:copies", "gpt2-small", wanted_micro=32,
+                                             accum_cap=16, timed_micro=32, rounds=2),
 }

@@ -6,8 +6,10 @@ second's) decides the setting's default.
 stacked: q/k/v, and the Llama's gate/up, as one GEMM each (nanopt.model.stacked) against one GEMM per layer;
 decides Transformer.stack_projections.
 graphs: each micro-batch replayed from a CUDA graph (train.json cuda_graphs, nanopt.train.parallel.graphed_step) against
-launched kernel by kernel; decides cuda_graphs' default. Refused where it cannot apply (the CPU of a smoke run):
-that side is recorded as refused and the other still runs.
+launched kernel by kernel; decides cuda_graphs' default.
+copies: the blocks' linear layers from bf16 weight copies made once per step (train.json bf16_weight_copies,
+nanopt.model.weight_copies) against autocast's cast per micro-batch; decides bf16_weight_copies' default.
+A side refused where it cannot apply (the CPU of a smoke run) is recorded as refused and the other still runs.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ class Question:
     train: Callable[[Any, bool], Any] = lambda train, on: train  # train.json's settings for a side
     session: Callable[[Any, bool], None] = lambda session, on: None  # set on the built session, before its first step
     stacked: bool = False  # the memory prediction's `stacked` follows the side
+    copies: bool = False  # ... and its `weight_copies`
 
 
 QUESTIONS = {
     "stacked": Question(("separate", "stacked"), session=lambda s, on: s.prepared.raw.stack_projections(on),
                         stacked=True),
     "graphs": Question(("launched", "graphed"), train=lambda t, on: dataclasses.replace(t, cuda_graphs=on)),
+    "copies": Question(("cast", "copies"), train=lambda t, on: dataclasses.replace(t, bf16_weight_copies=on),
+                       copies=True),
 }
 
 
@@ -42,10 +47,12 @@ def _build(b: _Bench, question: Question, on: bool) -> Any:
     from bench_train import Side, random_token_session
 
     from nanopt.train.parallel.graphed_step import check_cuda_graphs
+    from nanopt.train.precision.weight_copies import check_bf16_weight_copies
     from nanopt.train.step import step
 
     run = dataclasses.replace(b.run, train=question.train(b.run.train, on))
-    check_cuda_graphs(run, b.rt.device, b.rt.precision, 1)
+    check_cuda_graphs(run, b.rt.device, b.rt.precision, 1)  # as `nanopt train` checks them at session start
+    check_bf16_weight_copies(run, b.rt.precision, sharded=False, world_size=1)
     session = random_token_session(run, b.rt)
     question.session(session, on)
 
@@ -61,7 +68,8 @@ def _predicted(b: _Bench, question: Question, on: bool) -> int:
     return estimate_memory(b.run.model, b.run.seq_len, precision=b.rt.precision, compiled=True,
                            activation_checkpointing=False, parallelism="ddp", world_size=1,
                            optimizer=b.run.train.optimizer, step_sequences=max(b.plan.accums) * b.plan.micro_batch,
-                           stacked=question.stacked and on).total(b.plan.micro_batch)
+                           stacked=question.stacked and on,
+                           weight_copies=question.copies and on).total(b.plan.micro_batch)
 
 
 def step_variants(ctx: Context, name: str, workload: str, preset_name: str, wanted_micro: int, accum_cap: int,
