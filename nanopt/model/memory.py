@@ -22,10 +22,14 @@ from nanopt.model.memory_loss import loss_buffer_bytes, loss_bytes_per_token, lo
 # reports the error of this model.
 RUNTIME_OVERHEAD_BYTES = 1 << 30
 # A CPU training process's resident memory beside the tensors the model counts: torch, nanopt and their libraries
-# (309 MiB after the imports, torch 2.13's CPU wheel) and what the first steps add (allocator arenas, thread stacks,
-# the dataset's mapped pages). Measured peaks, `nanopt train` in a process of its own: 390 MiB for a 35k-parameter
-# run (its tensors a few MiB), 466 MiB for a 197k-parameter plan whose tensors the model puts at 74 MiB.
-CPU_RUNTIME_OVERHEAD_BYTES = 384 << 20
+# (302 MiB after the imports, torch 2.13's CPU wheel; 315-340 MiB once a session is built) and the loss chart that
+# `nanopt train` draws after each evaluation (matplotlib: about 60 MiB for the first, its caches full at about 90).
+CPU_RUNTIME_OVERHEAD_BYTES = 416 << 20
+# On the CPU a step's resident peak holds more than the activations autograd keeps (counted exactly: tests), for
+# the backward's transient gradients and the blocks glibc keeps once they are freed: the peak resident memory of 30
+# steps, less the built session's, over the model's activations and loss, was 1.60, 1.67 and 1.44 for 0.9M, 0.3M and
+# 6.6M-parameter models (the demo; the README's two-minute plan; 6 x 256 at 16 x 512 tokens).
+CPU_ACTIVATION_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class MemoryEstimate:
     # Run health's copy of this GPU's weights around a log step's update; 0 with `health` off, or with the weights
     # in host memory (fsdp_offload: the copy is too).
     health_snapshot: int = 0
+    # What the peak holds per byte of the micro-batch's counted activations and loss transients: 1 on a GPU (its
+    # caching allocator, calibrated), CPU_ACTIVATION_FACTOR on the CPU (the process's resident memory).
+    resident_factor: float = 1.0
 
     def gradients_in_forward(self, micro_batch_size: int) -> bool:
         return micro_batch_size < self.step_sequences
@@ -81,10 +88,10 @@ class MemoryEstimate:
         return self.loss_chunk_row_bytes * loss_chunk_rows(micro_batch_size * self.seq_len, self.vocab_size)
 
     def total(self, micro_batch_size: int) -> int:
-        forward = (self.fixed(micro_batch_size) + micro_batch_size * self.activations_per_sequence
-                   + self.loss_chunk_bytes(micro_batch_size))
+        growing = micro_batch_size * self.activations_per_sequence + self.loss_chunk_bytes(micro_batch_size)
+        forward = self.fixed(micro_batch_size) + int(self.resident_factor * growing)
         backward = (self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.gathered
-                    + micro_batch_size * self.recompute_per_sequence)
+                    + int(self.resident_factor * micro_batch_size * self.recompute_per_sequence))
         update = self.weights + self.gradients + self.optimizer + self.runtime_overhead + self.health_snapshot
         return max(forward, backward, update)
 
@@ -328,7 +335,7 @@ def estimate_memory(cfg: ModelConfig, seq_len: int, *, precision: str, compiled:
                                                                uncheckpointed, weight_copies),
                                loss_chunk_row_bytes=loss_chunk_row_bytes(cfg, act_bytes, compiled, cuda),
                                seq_len=seq_len, vocab_size=cfg.vocab_size, step_sequences=step_sequences,
-                               recompute_per_sequence=backward)
+                               recompute_per_sequence=backward, resident_factor=1.0 if cuda else CPU_ACTIVATION_FACTOR)
 
 
 SELECTIVE = "selective"
