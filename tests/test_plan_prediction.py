@@ -141,8 +141,8 @@ def test_a_plan_for_a_cpu_minute_trains_to_its_end_with_no_edit_and_scores_its_p
 def test_a_cpu_run_whose_activations_matter_peaks_within_15_percent_of_its_prediction(tmp_path: Path,
                                                                                      tiny_dataset: Path):
     """A run whose activations are most of what it predicts beside torch itself (over 200 MiB of them): its
-    measured peak, evaluations, loss chart and checkpoints included, against the memory model's. Seen: 1.06; counting
-    only what autograd keeps, with the old 384 MiB for torch, it was 1.29."""
+    measured peak, evaluations, loss chart and checkpoints included, against the memory model's. Counting only what
+    autograd keeps, with 384 MiB for torch, it was 1.29."""
     model = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 4, "max_position_embeddings": 256}
     run = make_run(tmp_path, tiny_dataset, model=model, micro_batch_size=8, global_batch_tokens=8 * 256,

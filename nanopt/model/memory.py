@@ -22,9 +22,10 @@ from nanopt.model.memory_loss import loss_buffer_bytes, loss_bytes_per_token, lo
 # reports the error of this model.
 RUNTIME_OVERHEAD_BYTES = 1 << 30
 # A CPU training process's resident memory beside the tensors the model counts: torch, nanopt and their libraries
-# (302 MiB after the imports, torch 2.13's CPU wheel; 315-340 MiB once a session is built) and the loss chart that
-# `nanopt train` draws after each evaluation (matplotlib: about 60 MiB for the first, its caches full at about 90).
-CPU_RUNTIME_OVERHEAD_BYTES = 416 << 20
+# (torch 2.13's CPU wheel: 358 MiB after the imports in a fresh `make install`, 390 once a session is built; an older
+# install of the same wheel held 56 MiB fewer of the libraries' file pages) and the loss chart `nanopt train` draws
+# after each evaluation (matplotlib: about 60 MiB for the first, its caches full at about 90).
+CPU_RUNTIME_OVERHEAD_BYTES = 480 << 20
 # On the CPU a step's resident peak holds more than the activations autograd keeps (counted exactly: tests), for
 # the backward's transient gradients and the blocks glibc keeps once they are freed: the peak resident memory of 30
 # steps, less the built session's, over the model's activations and loss, was 1.60, 1.67 and 1.44 for 0.9M, 0.3M and
