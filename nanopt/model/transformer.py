@@ -61,8 +61,9 @@ from nanopt.errors import ConfigError
 from nanopt.model.documents import compute_dtype, document_mask, document_positions
 from nanopt.model.fp8 import HeadMode
 from nanopt.model.loss import chunked_cross_entropy
+from nanopt.model.projections import Projections
 from nanopt.model.rope import apply_rope, rope_at, rope_tables
-from nanopt.model.weight_copies import Projections, WeightCopies
+from nanopt.model.weight_copies import WeightCopies
 
 
 class KVCache:
