@@ -101,6 +101,15 @@ def free_port() -> int:
 
 # ----------------------------------------------------------------------------------------------- in a rank
 
+_KEPT: list = []
+
+
+def keep_until_exit(obj: Any) -> None:
+    """Never free `obj` in this rank (it leaves through os._exit). For a DDP wrapper: freed, its Reducer's destructor
+    joins gloo's worker thread while holding the GIL, which that thread may be waiting for, and the rank hangs."""
+    _KEPT.append(obj)
+
+
 
 def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], conn: Any) -> None:
     os.environ.update(env)

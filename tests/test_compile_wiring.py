@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import keep_until_exit, run_ranks
 from faulthelp import TINY_MODEL, tiny_run
 from trainhelp import HIDE_CUDA
 
@@ -61,6 +61,7 @@ def compiled_step_in_rank(run_dir: Path) -> dict:
     loss = prepared.model(ids[:, :-1], ids[:, 1:])
     loss.backward()
     torch.distributed.barrier()
+    keep_until_exit(prepared)  # a DDP wrapper
     layer_bytes = sum(p.numel() * p.element_size() for p in prepared.raw.layers[0].parameters())
     return {"frames": dict(counters["frames"]), "graphs": counters["stats"]["unique_graphs"],
             "names": [name for name, _ in prepared.raw.named_parameters()], "layer_bytes": layer_bytes,

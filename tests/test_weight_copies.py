@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import keep_until_exit, run_ranks
 from trainhelp import assert_train_refused, eval_losses, final_weights_hash, losses, make_run
 
 from nanopt.config import ModelConfig
@@ -145,11 +145,6 @@ def test_the_model_compiles_to_one_whole_graph_that_a_refresh_does_not_recompile
     torch._dynamo.reset()
 
 
-# A DDP wrapper freed in a rank can hang it: the Reducer's destructor joins gloo's worker thread while holding the
-# GIL, which that thread waits for. The rank leaves through os._exit (tests/distributed.py) with the wrappers alive.
-_NEVER_FREED: list = []
-
-
 def _ddp_gradients_with_and_without_copies() -> dict:
     """On each rank: nanopt's DDP wrapping (nanopt.train.parallel.wrap.prepare) of a bf16 run, without copies and
     with, each over two micro-batches of this rank's own rows, the second one synchronised. Returns whether the two
@@ -183,7 +178,7 @@ def _ddp_gradients_with_and_without_copies() -> dict:
                     loss = prepared.model(ids, targets)
                 (loss / 2).backward()
         sides[with_copies] = {name: p.grad.clone() for name, p in prepared.raw.named_parameters()}
-        _NEVER_FREED.append(prepared)
+        keep_until_exit(prepared)  # a DDP wrapper
     dist.destroy_process_group()
     digest = hashlib.sha256()
     for name, grad in sides[True].items():
