@@ -148,8 +148,7 @@ def test_the_model_compiles_to_one_whole_graph_that_a_refresh_does_not_recompile
 def _ddp_gradients_with_and_without_copies() -> dict:
     """On each rank: nanopt's DDP wrapping (nanopt.train.parallel.wrap.prepare) of a bf16 run, without copies and
     with, each over two micro-batches of this rank's own rows, the second one synchronised. Returns whether the two
-    sides' gradients are equal, and a digest of them to compare across ranks (a small result: the pipe back to
-    the test is not for megabytes)."""
+    sides' gradients are equal, and a digest of them to compare across ranks."""
     import dataclasses
     import hashlib
 
