@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from nanopt.model.stacked import project, stackable
+from nanopt.model.stacked import output_widths, project, stackable
 from nanopt.model.weight_copies import copied_linear
 
 
@@ -40,19 +40,11 @@ class Projections(nn.Module):
             layers = tuple(getattr(self, name) for name in names)
             if not stackable(layers):
                 continue
-            weight = layers[0].weight
-            copy = torch.empty(sum(layer.out_features for layer in layers), layers[0].in_features, dtype=dtype,
-                               device=weight.device)
+            copy = torch.empty(sum(output_widths(layers)), layers[0].in_features, dtype=dtype,
+                               device=layers[0].weight.device)
             self.register_buffer(_copy_name(group), copy, persistent=False)
-            begin = 0
-            for layer in layers:
-                pairs.append((copy[begin:begin + layer.out_features], layer.weight))
-                begin += layer.out_features
+            pairs += zip(copy.split(output_widths(layers)), (layer.weight for layer in layers), strict=True)
         return pairs
-
-
-def _copy_name(group: str) -> str:
-    return f"{group}_weight_copy"
 
 
 def _copy_name(group: str) -> str:

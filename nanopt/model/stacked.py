@@ -30,11 +30,20 @@ def stackable(layers: tuple[nn.Linear, ...]) -> bool:
     return all(type(layer) is nn.Linear and (layer.bias is not None) == with_bias for layer in layers)
 
 
+def stacked_bias(layers: tuple[nn.Linear, ...]) -> Tensor | None:
+    """The layers' biases one after another (None: the layers have none)."""
+    return None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+
+
+def output_widths(layers: tuple[nn.Linear, ...]) -> list[int]:
+    """Each layer's share of the stacked output's columns (and of the stacked weight's rows)."""
+    return [layer.out_features for layer in layers]
+
+
 def stacked_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
     """Each layer's output for x, from one GEMM over the layers' concatenated weights (and biases)."""
     weight = torch.cat([layer.weight for layer in layers])
-    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
+    return F.linear(x, weight, stacked_bias(layers)).split(output_widths(layers), dim=-1)
 
 
 def project(x: Tensor, layers: tuple[nn.Linear, ...], stacked: bool) -> tuple[Tensor, ...]:

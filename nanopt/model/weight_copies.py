@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanopt.model.gemm import gemm_writes_fp32
+from nanopt.model.stacked import output_widths, stacked_bias
 
 
 @torch.library.custom_op("nanopt::weight_grad_fp32", mutates_args=())
@@ -68,16 +69,13 @@ def copied_linear(x: Tensor, layers: tuple[nn.Linear, ...], copy: Tensor, stacke
     one GEMM over the whole copy when `stacked`, else one per layer over its rows. x is cast once per GEMM, as
     autocast casts it, so the layers' input gradients are summed in fp32 as autocast's are."""
     if stacked:
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers]).to(copy.dtype)
+        bias = stacked_bias(layers)
+        bias = None if bias is None else bias.to(copy.dtype)
         out = _CopiedLinear.apply(x.to(copy.dtype), copy, bias, *(layer.weight for layer in layers))
-        return out.split([layer.out_features for layer in layers], dim=-1)
-    outputs, begin = [], 0
-    for layer in layers:
-        rows = copy[begin:begin + layer.out_features]
-        bias = None if layer.bias is None else layer.bias.to(copy.dtype)
-        outputs.append(_CopiedLinear.apply(x.to(copy.dtype), rows, bias, layer.weight))
-        begin += layer.out_features
-    return tuple(outputs)
+        return out.split(output_widths(layers), dim=-1)
+    return tuple(_CopiedLinear.apply(x.to(copy.dtype), rows, None if layer.bias is None else layer.bias.to(copy.dtype),
+                                     layer.weight)
+                 for layer, rows in zip(layers, copy.split(output_widths(layers)), strict=True))
 
 
 class WeightCopies:
@@ -91,7 +89,7 @@ class WeightCopies:
     @torch.no_grad()
     def refresh(self) -> None:
         if self.copies:
-            torch._foreach_copy_(self.copies, [weight.detach() for weight in self.weights])
+            torch._foreach_copy_(self.copies, self.weights)
 
     @property
     def nbytes(self) -> int:
