@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import click
@@ -125,14 +126,15 @@ def parse(example: Example) -> tuple[str, dict, list[str], int]:
         return argv[0], dict(ctx.params), argv[1:], ranks
 
 
-def shipped() -> set[Path]:
+@cache  # one `git ls-files` for the session, not one per example
+def shipped() -> frozenset[Path]:
     """Every file the repository tracks, and every directory above one."""
     try:
         files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: cannot tell shipped paths from local ones")
     paths = {Path(f) for f in files.splitlines()}
-    return paths | {parent for path in paths for parent in path.parents}
+    return frozenset(paths | {parent for path in paths for parent in path.parents})
 
 
 def kept_checkpoints(run_dir: Path, sets: list[str]) -> set[Path]:
@@ -172,15 +174,20 @@ def named_paths(command: str, params: dict, argv: list[str]) -> set[Path]:
 
 
 def available_before(example: Example) -> set[Path]:
-    made = set()
+    made: set[Path] = set()
     for earlier in EXAMPLES:
         if earlier.block == example.block and earlier.index < example.index:
-            command, params, _, _ = parse(earlier)
-            made |= outputs(command, params)
+            made |= made_by(earlier)
     return made
 
 
-def is_available(path: Path, repository: set[Path], made: set[Path]) -> bool:
+@cache  # a block's later examples ask again for what its earlier ones make
+def made_by(example: Example) -> frozenset[Path]:
+    command, params, _, _ = parse(example)
+    return frozenset(outputs(command, params))
+
+
+def is_available(path: Path, repository: frozenset[Path], made: set[Path]) -> bool:
     made = made | set(copied_runs())
     return path in repository or any(path == out or out in path.parents for out in made)
 
