@@ -229,6 +229,9 @@ def train_2ranks(launcher: Launcher, run: Path, *args: str) -> Child:
     return finish(launcher, start_2ranks(launcher, run, *args))
 
 
+# Slow (10 s): torchrun's forwarding of the notice; the stop itself is make test's in one process
+# (test_preemption_saves_and_exits_75_then_resume_is_exact), a two-rank resume in tests/test_muon.py.
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_both_ranks_with_one_checkpoint_then_resume_is_exact(tmp_path: Path,
                                                                                       reference_2ranks: Path,
                                                                                       launcher: Launcher):
