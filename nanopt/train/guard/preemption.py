@@ -32,8 +32,13 @@ class preemption_handler:
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
         for sig, handler in self.previous.items():
+            if sig == signal.SIGTERM and kind is not None and self.session.rt.distributed:
+                # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
+                # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits
+                # it). Put in place of this handler, never after the default, which a SIGTERM between would meet.
+                handler = _ignore
             signal.signal(sig, handler)
-        if kind is not None and self.session.rt.distributed:
-            # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
-            # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits it).
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A handler that does nothing: unlike SIG_IGN, it is not inherited by the processes this one starts."""
