@@ -44,9 +44,7 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 LAUNCHER = r"""
 import json, os, resource, signal, sys, traceback
-import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot  # noqa: F401  (loss.png)
+import matplotlib.backends.backend_agg, matplotlib.figure  # noqa: F401  (loss.png)
 import nanopt.cli, nanopt.train.loop  # noqa: F401  (what every child would import again)
 import torch._dynamo  # noqa: F401  (imported by the optimizer's first construction: ~2 s of CPU in every child)
 import importlib

@@ -92,9 +92,6 @@ def test_a_phase_switch_is_said_recorded_tabled_and_charted(tmp_path: Path, mixt
     drawn = [line for line in figure.axes[0].get_lines() if line.get_color() == "tab:green"]
     assert [line.get_xdata()[0] for line in drawn] == [6 * tokens_per_step, 12 * tokens_per_step]
     assert any("data phase begins: 2 times" in text.get_text() for text in figure.axes[0].get_legend().get_texts())
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
 
 
 def test_a_resume_across_a_switch_neither_repeats_nor_loses_its_event(tmp_path: Path,

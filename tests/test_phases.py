@@ -26,7 +26,9 @@ def trained(tmp_path_factory, tiny_dataset):
     """A 40-step run (eval and checkpoint every 10) and its wall time seen from outside. 40 steps, not 20: the ETA
     after step 12 then foresees three evaluations, charts and checkpoints, not one, so a few milliseconds of
     scheduling noise on a shared machine no longer decide whether it is within its tolerance."""
-    import matplotlib.pyplot  # noqa: F401  (the first loss chart's import, ~1 s: it would dominate a 5 s run's "other")
+    # The first loss chart's imports (~1 s) would dominate a 5 s run's "other".
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
 
     from nanopt.cli import main
 

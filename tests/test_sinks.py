@@ -188,6 +188,40 @@ def test_the_loss_chart_marks_recoveries_and_loss_spikes(tmp_path):
     assert imread(path).shape == (495, 880, 4)  # 8 x 4.5 inches at 110 dpi
 
 
+
+CHART_IN_A_NOTEBOOK = r"""
+import sys
+from pathlib import Path
+import matplotlib
+matplotlib.use("svg")  # the backend a person chose before calling nanopt's charts
+import matplotlib.pyplot as plt
+from nanopt.evaluate.charts import comparison_figure
+from nanopt.train.observe.metrics import MetricsLog, write_loss_chart
+
+run = Path(sys.argv[1])
+log = MetricsLog(run, enabled=True)
+for step in range(1, 11):
+    log.write("train", step=step, tokens=64 * step, loss=5.0 - step / 10)
+log.close()
+write_loss_chart(run)
+comparison_figure([run], ["run"])
+print(matplotlib.get_backend(), len(plt.get_fignums()))
+"""
+
+
+def test_drawing_a_chart_leaves_the_processes_matplotlib_as_it_was(tmp_path):
+    # A person who calls these from a notebook keeps the backend they chose, and finds no figure of nanopt's in
+    # pyplot's list, which would hold it until closed.
+    import subprocess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    result = subprocess.run([sys.executable, "-c", CHART_IN_A_NOTEBOOK, str(run)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["svg", "0"]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 def _train_two_runs(root: Path, dataset: Path, cli) -> list[Path]:
     runs = [tiny_run(root, dataset, name, learning_rate=lr, **SHORT) for name, lr in (("slow", 1e-3), ("fast", 1e-2))]
     for run in runs:

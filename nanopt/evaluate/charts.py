@@ -13,7 +13,7 @@ from typing import Any
 
 from nanopt.errors import ConfigError
 from nanopt.evaluate.history import loss_by_tokens, read_history
-from nanopt.train.observe.metrics import CHART_SOFTWARE, loss_curves, read_metrics, save_chart
+from nanopt.train.observe.metrics import CHART_SOFTWARE, loss_curves, new_figure, read_metrics, save_chart
 
 CHART_NAME = "compare.png"
 
@@ -49,13 +49,9 @@ def comparison_figure(run_dirs: list[Path], names: list[str] | None = None) -> A
     """The matplotlib Figure: per run, one colour, its train loss as a line, its validation loss as dots and a line,
     and its checkpoints' test loss as crosses, against tokens. Runs without a train record are left out (their name
     in the title says so)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = names or [str(run) for run in run_dirs]
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    fig = new_figure(figsize=(9, 5), dpi=110)
+    ax = fig.subplots()
     missing = []
     for index, (run, name) in enumerate(zip(run_dirs, names, strict=True)):
         train, val = loss_curves(read_metrics(run))

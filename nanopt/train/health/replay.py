@@ -26,7 +26,7 @@ from nanopt.train.checkpoint.meta import read_meta
 from nanopt.train.checkpoint.read import complete_checkpoints
 from nanopt.train.health.verdicts import STAGNANT_RATIO, HealthMonitor, HealthSettings
 from nanopt.train.health.window import Block
-from nanopt.train.observe.metrics import Thinned, iter_metrics, save_chart
+from nanopt.train.observe.metrics import Thinned, iter_metrics, new_figure, save_chart
 
 MAX_CURVES = 64  # gradient-norm blocks or update-ratio groups charted: a stranger's file may name millions
 
@@ -119,12 +119,8 @@ def _add_each(curves: dict[str, Thinned], step: int, values: Any) -> None:
 def health_figure(curves: HealthCurves, verdicts: list[dict[str, Any]], run_dir: Path) -> Any:
     """Loss, gradient norms (global and per block), update ratios per group and the share of steps clipped,
     against steps; each verdict a vertical line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(10, 10), dpi=100, sharex=True, layout="constrained")
+    fig = new_figure(figsize=(10, 10), dpi=100, layout="constrained")
+    axes = fig.subplots(4, 1, sharex=True)
     axes[0].plot(*curves.loss.points(), linewidth=1)
     axes[0].set_ylabel("loss")
     axes[1].plot(*curves.grad_norm.points(), color="black", linewidth=1.2, label="global")

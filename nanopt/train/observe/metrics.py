@@ -205,18 +205,14 @@ def event_marks(records: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 def loss_chart(run_dir: Path) -> Any:
     """The loss chart's matplotlib Figure (train and validation loss against tokens, the checkpoints' test loss as
-    crosses, recoveries, loss spikes and data phases as vertical lines), or None before the first train record. The
-    caller saves or inspects it, then closes it."""
+    crosses, recoveries, loss spikes and data phases as vertical lines), or None before the first train record, to save
+    (save_chart) or inspect."""
     records = read_metrics(run_dir)
     train, val = loss_curves(records)
     if not train[0]:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig = new_figure(figsize=(8, 4.5), dpi=110)
+    ax = fig.subplots()
     ax.plot(*train, label="train", linewidth=1)
     if val[0]:
         ax.plot(*val, "o-", label="val")
@@ -247,15 +243,22 @@ def _test_losses(run_dir: Path) -> Curve:
         return [], []
 
 
-def save_chart(fig: Any, path: Path) -> Path:
-    """Save a figure as a PNG atomically (a kill never leaves half an image), marked as nanopt's, and close it."""
-    import matplotlib.pyplot as plt
+def new_figure(**options: Any) -> Any:
+    """A matplotlib Figure of nanopt's charts, outside pyplot: pyplot would switch the process's backend (a
+    notebook's, when one calls these functions) and keep every figure until closed, a figure left behind by a chart
+    that failed midway included. This one is freed with its last reference and drawn by its own Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    try:
-        with replacing(path) as f:  # a file object: matplotlib never opens a path, which could be a link
-            fig.savefig(f, format="png", metadata={"Software": CHART_SOFTWARE})
-    finally:
-        plt.close(fig)
+    figure = Figure(**options)
+    FigureCanvasAgg(figure)  # attaches itself: figure.canvas
+    return figure
+
+
+def save_chart(fig: Any, path: Path) -> Path:
+    """Save a figure as a PNG atomically (a kill never leaves half an image), marked as nanopt's."""
+    with replacing(path) as f:  # a file object: matplotlib never opens a path, which could be a link
+        fig.savefig(f, format="png", metadata={"Software": CHART_SOFTWARE})
     return path
 
 
