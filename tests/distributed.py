@@ -30,7 +30,8 @@ HANG_GUARD_S = 120  # only against a hung test: a rank still running then fails 
 PEER_FAILED_GRACE_S = 30.0
 
 # Imported once by the forkserver, so each rank starts from them (torch first: it is most of the import time).
-PRELOAD = ["torch", "torch.distributed", "matplotlib.figure", "matplotlib.backends.backend_agg", "nanopt.train.loop", "nanopt.evaluate.report",
+PRELOAD = ["torch", "torch.distributed", "matplotlib.figure", "matplotlib.backends.backend_agg",
+           "nanopt.train.loop", "nanopt.evaluate.report",
            "nanopt.plan.find_batch.finder", "nanopt.plan.find_batch.trials"]
 
 
