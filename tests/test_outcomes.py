@@ -95,6 +95,7 @@ def test_a_crashed_rank_is_named_with_its_error_and_exit_1(tmp_path: Path, tiny_
     assert len(restarted) == restarts
     assert all(f"after rank {rank} (pid " in text and crash in text for text in restarted)
     assert "killed by SIGTERM" not in job.stderr
+    assert (run / "on_exit.log").is_file(), job.stderr[-3000:]  # rank 0 ran its hook: what it said if not
     hook = (run / "on_exit.log").read_text()
     said = f"crashed 1 rank 1 {crash}" if rank else "crashed 1 RuntimeError: planted crash in rank 0"
     assert hook.count(said) == 1 and hook.count("nanopt train ended:") == 1, hook
