@@ -222,7 +222,8 @@ sys.path[:0] = sys.argv[1:]
 from gpusession import session
 session.preload()
 for name in ("nanopt.cli", "nanopt.train.loop", "torch._dynamo", "typer._adapters", "nanopt.data.loaders.loader",
-             "nanopt.model.transformer", "nanopt.train.guard.exit_hook", "matplotlib.figure", "faulthelp"):
+             "nanopt.model.transformer", "nanopt.train.guard.exit_hook", "matplotlib.figure",
+             "matplotlib.backends.backend_agg", "faulthelp"):
     importlib.import_module(name)  # what tests/faulthelp.py's launcher imports before it forks the GPU tests
 assert not torch.cuda.is_initialized()
 print("no CUDA call")

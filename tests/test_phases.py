@@ -98,8 +98,7 @@ def test_log_lines_carry_eta_and_money_that_add_up(trained):
     # line's step time, the evaluations and checkpoints at 20, 30 and 40 at the durations of those at step 10, all
     # grown by the session's share of other time (log lines, charts). Checked against the durations the run
     # recorded, not a stopwatch: on a shared machine the future can be slower than the past, and that is not the
-    # ETA's fault. The share is the session's at step 12, which no record holds whole: its steps 11 and 12 took no
-    # more than their log window, so the share lies between two bounds that the records do give.
+    # ETA's fault (the share of other time is bounded as within_other_share says).
     at = next(r for r in train if r["step"] == 12)
     at_10 = [r for r in records(run) if r["kind"] == "phases" and r["step"] == 10][-1]["seconds"]
     saved = next(r for r in records(run) if r.get("event") == "checkpoint" and r["step"] == 10)

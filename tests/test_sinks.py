@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,7 +189,6 @@ def test_the_loss_chart_marks_recoveries_and_loss_spikes(tmp_path):
     assert imread(path).shape == (495, 880, 4)  # 8 x 4.5 inches at 110 dpi
 
 
-
 CHART_IN_A_NOTEBOOK = r"""
 import sys
 from pathlib import Path
@@ -212,8 +212,6 @@ print(matplotlib.get_backend(), len(plt.get_fignums()))
 def test_drawing_a_chart_leaves_the_processes_matplotlib_as_it_was(tmp_path):
     # A person who calls these from a notebook keeps the backend they chose, and finds no figure of nanopt's in
     # pyplot's list, which would hold it until closed.
-    import subprocess
-
     run = tmp_path / "run"
     run.mkdir()
     result = subprocess.run([sys.executable, "-c", CHART_IN_A_NOTEBOOK, str(run)], capture_output=True, text=True,

@@ -31,14 +31,10 @@ class preemption_handler:
                                    "checkpoint, then exiting (send it again to stop at once)")
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
+        # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe before
+        # this one has said why and run the on-exit command. It is leaving anyway (the CLI exits it), so SIGTERM gets
+        # a handler that does nothing in place of this one, never after the default, which a SIGTERM between would
+        # meet (a handler, not SIG_IGN, which the commands it starts would inherit).
+        hold_off_term = kind is not None and self.session.rt.distributed
         for sig, handler in self.previous.items():
-            if sig == signal.SIGTERM and kind is not None and self.session.rt.distributed:
-                # Leaving with an error: torchrun stops the ranks left with SIGTERM as soon as one has ended, maybe
-                # before this one has said why and run the on-exit command. It is leaving anyway (the CLI exits
-                # it). Put in place of this handler, never after the default, which a SIGTERM between would meet.
-                handler = _ignore
-            signal.signal(sig, handler)
-
-
-def _ignore(signum: int, frame: Any) -> None:
-    """A handler that does nothing: unlike SIG_IGN, it is not inherited by the processes this one starts."""
+            signal.signal(sig, (lambda signum, frame: None) if hold_off_term and sig == signal.SIGTERM else handler)
